@@ -1,0 +1,56 @@
+"""Attention backend interface and the per-step metadata every backend reads.
+
+The batch is one flattened sequence of tokens: all decode tokens first (one per
+request), then each prefill chunk. The metadata says where each request's tokens
+sit and which KV blocks hold its context; it is built once per step by the model
+runner and passed down explicitly (no globals).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    """One request's chunk of new tokens beyond its cached context."""
+
+    start: int  # offset of the chunk in the flattened batch
+    end: int
+    context_len: int  # tokens already in the KV cache before this chunk
+    block_table: torch.Tensor  # [num_blocks] physical block ids
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + self.end - self.start
+
+
+@dataclass
+class AttentionMetadata:
+    # Physical cache slot (block_id * block_size + offset) of every token in the batch.
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode_tokens: int
+    # Decode rows (tokens [0, num_decode_tokens)): padded block tables and lengths.
+    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64
+    decode_seq_lens: torch.Tensor | None  # [D] int64
+    # [D, 1, 1, max_blocks * block_size]: True where a key position is valid.
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillChunk]
+
+
+class AttentionBackend(ABC):
+    """Computes attention for one layer and writes the new K/V into the paged cache."""
+
+    name: str
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+                ) -> torch.Tensor:
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, D].
+
+        Returns the attention output [T, H, D].
+        """

@@ -1,0 +1,159 @@
+"""EngineConfig: the one place every knob lives.
+
+Each part is a frozen dataclass validated at construction; a bad value raises a
+ValueError naming the field and its allowed range. The CLI builds its flags from
+these fields (see `tokenmill.cli`), so a new knob is one new field here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+CHUNK_POLICIES = ("fixed", "dynamic")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+# The embedded default model, committed with the project.
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pycoder"
+
+
+def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache: block geometry, memory budget and prefix caching."""
+
+    block_size: int = 16
+    # Bytes for the KV pool. None: derive from kv_cache_memory_fraction.
+    kv_cache_memory: int | None = None
+    # Fraction of free device memory given to the KV pool when kv_cache_memory is None.
+    # On CPU the pool is further capped at what max_num_seqs full-length sequences need.
+    kv_cache_memory_fraction: float = 0.25
+    # Force an exact number of blocks (tests and benchmarks); overrides the budget.
+    num_blocks: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
+                 "a power of two in [1, 256]", self.block_size)
+        if self.kv_cache_memory is not None:
+            _require(self.kv_cache_memory > 0, "kv_cache_memory", "> 0 bytes", self.kv_cache_memory)
+        _require(0.0 < self.kv_cache_memory_fraction <= 1.0, "kv_cache_memory_fraction",
+                 "in (0, 1]", self.kv_cache_memory_fraction)
+        if self.num_blocks is not None:
+            _require(self.num_blocks >= 1, "num_blocks", ">= 1", self.num_blocks)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Token-budget scheduler (Sarathi-style hybrid batches)."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    enable_chunked_prefill: bool = True
+    chunk_policy: Literal["fixed", "dynamic"] = "fixed"
+    # fixed: largest prefill chunk per request per step (None: the token budget).
+    chunk_size: int | None = None
+    # dynamic: prompts up to this many tokens run whole; longer ones split into at most
+    # dynamic_max_chunks chunks.
+    dynamic_chunk_threshold: int = 512
+    dynamic_max_chunks: int = 4
+    # Starvation control: prefills go before decodes when the waiting queue is longer
+    # than this, or its oldest request has waited longer than starvation_wait_s.
+    starvation_queue_threshold: int = 200
+    starvation_wait_s: float = 5.0
+    # Head-of-line blocking bound: how many waiting requests that do not fit may be
+    # skipped per step to admit smaller ones behind them.
+    max_admission_skips: int = 8
+
+    def __post_init__(self) -> None:
+        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
+                 self.max_num_batched_tokens)
+        _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        _require(self.chunk_policy in CHUNK_POLICIES, "chunk_policy", f"one of {CHUNK_POLICIES}",
+                 self.chunk_policy)
+        if self.chunk_size is not None:
+            _require(self.chunk_size >= 1, "chunk_size", ">= 1", self.chunk_size)
+        _require(self.dynamic_chunk_threshold >= 1, "dynamic_chunk_threshold", ">= 1",
+                 self.dynamic_chunk_threshold)
+        _require(self.dynamic_max_chunks >= 1, "dynamic_max_chunks", ">= 1",
+                 self.dynamic_max_chunks)
+        _require(self.starvation_queue_threshold >= 0, "starvation_queue_threshold", ">= 0",
+                 self.starvation_queue_threshold)
+        _require(self.starvation_wait_s > 0, "starvation_wait_s", "> 0", self.starvation_wait_s)
+        _require(self.max_admission_skips >= 0, "max_admission_skips", ">= 0",
+                 self.max_admission_skips)
+
+    @property
+    def prefill_chunk_size(self) -> int:
+        """Largest fixed-policy chunk for one request in one step."""
+        return min(self.chunk_size or self.max_num_batched_tokens, self.max_num_batched_tokens)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint, in which dtype, on which device."""
+
+    model: str = str(DEFAULT_MODEL_DIR)
+    dtype: str = "auto"
+    device: str = "auto"
+    # None: the checkpoint's max_position_embeddings.
+    max_model_len: int | None = None
+    seed: int = 0
+    # Threads for CPU inference (None: torch's default).
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
+        _require(self.device in DEVICES, "device", f"one of {DEVICES}", self.device)
+        if self.max_model_len is not None:
+            _require(self.max_model_len >= 2, "max_model_len", ">= 2", self.max_model_len)
+        if self.num_threads is not None:
+            _require(self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def __post_init__(self) -> None:
+        sched = self.scheduler
+        if not sched.enable_chunked_prefill and self.model.max_model_len is not None:
+            _require(sched.max_num_batched_tokens >= self.model.max_model_len,
+                     "max_num_batched_tokens", ">= max_model_len when chunked prefill is off",
+                     sched.max_num_batched_tokens)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (`block_size=32, max_num_seqs=8, ...`)."""
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _PARTS}
+        for key, value in kwargs.items():
+            owner = _FIELD_OWNER.get(key)
+            if owner is None:
+                raise ValueError(f"unknown engine option {key!r}; known: {sorted(_FIELD_OWNER)}")
+            parts[owner][key] = value
+        return cls(**{name: _PARTS[name](**values) for name, values in parts.items()})
+
+    def with_max_model_len(self, max_model_len: int) -> EngineConfig:
+        """The same config with the context length resolved from the checkpoint."""
+        model = dataclasses.replace(self.model, max_model_len=max_model_len)
+        return dataclasses.replace(self, model=model)
+
+
+_PARTS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_FIELD_OWNER: dict[str, str] = {
+    f.name: part for part, klass in _PARTS.items() for f in dataclasses.fields(klass)
+}
+
+
+def config_fields() -> list[tuple[str, dataclasses.Field]]:
+    """Every flat option with its dataclass field, for building CLI flags."""
+    return [(part, f) for part, klass in _PARTS.items() for f in dataclasses.fields(klass)]

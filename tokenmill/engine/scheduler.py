@@ -1,0 +1,189 @@
+"""Token-budget scheduler: which requests run this step, and how many tokens each.
+
+Pure Python (no torch). Each step spends at most `max_num_batched_tokens` tokens:
+running decodes first, then partial prefills, then admissions from the waiting
+queue (reversed into prefills-first when the waiting queue starves). When the
+block pool runs out, the latest-arrived running request is preempted and later
+recomputed from scratch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenmill.config import SchedulerConfig
+from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.engine.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SchedulerOutput:
+    # (request, num_new_tokens) in batch order.
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    # True when the waiting queue starved and prefills went first.
+    prefill_first: bool = False
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.clock = clock
+        self.waiting: deque[Request] = deque()
+        # In admission order; the preemption victim is the latest arrival.
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management --------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, reason: str) -> None:
+        """Mark finished and return its blocks; safe to call in any state."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request)
+        self.kv.forget(request)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        granted: dict[Request, int] = {}
+        self._budget = self.config.max_num_batched_tokens
+        out.prefill_first = self._prefills_starving()
+        decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
+        partials = [r for r in self.running if r.num_tokens_to_compute > 1]
+        if out.prefill_first:
+            self._schedule_running(partials, granted, out)
+            self._admit(granted)
+            self._schedule_running(decodes, granted, out)
+        else:
+            self._schedule_running(decodes, granted, out)
+            self._schedule_running(partials, granted, out)
+            self._admit(granted)
+        now = self.clock()
+        for request, num_new in granted.items():
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            out.scheduled.append((request, num_new))
+        out.num_batched_tokens = sum(granted.values())
+        return out
+
+    def _prefills_starving(self) -> bool:
+        if not self.waiting:
+            return False
+        if len(self.waiting) > self.config.starvation_queue_threshold:
+            return True
+        oldest = min(r.metrics.arrival_time for r in self.waiting)
+        return self.clock() - oldest > self.config.starvation_wait_s
+
+    def _num_new_tokens(self, request: Request, num_computed: int) -> int:
+        """Tokens to grant this step under the chunking policy and the remaining budget."""
+        cfg = self.config
+        remaining = request.num_tokens - num_computed
+        if remaining <= 1:
+            return min(remaining, self._budget)
+        if not cfg.enable_chunked_prefill:
+            return remaining if remaining <= self._budget else 0
+        if cfg.chunk_policy == "fixed":
+            return min(remaining, cfg.prefill_chunk_size, self._budget)
+        # dynamic: short prompts run whole, long ones in at most dynamic_max_chunks chunks.
+        if request.num_tokens <= cfg.dynamic_chunk_threshold:
+            return remaining if remaining <= self._budget else 0
+        chunk = -(-request.num_tokens // cfg.dynamic_max_chunks)
+        return min(remaining, chunk, self._budget)
+
+    def _schedule_running(self, requests: list[Request], granted: dict[Request, int],
+                          out: SchedulerOutput) -> None:
+        for request in requests:
+            if request.status != RequestStatus.RUNNING or self._budget <= 0:
+                continue
+            num_new = self._num_new_tokens(request, request.num_computed_tokens)
+            if num_new == 0:
+                continue
+            while not self.kv.allocate_slots(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, granted, out)
+                if victim is request:
+                    break
+            else:
+                granted[request] = num_new
+                self._budget -= num_new
+
+    def _preempt(self, victim: Request, granted: dict[Request, int], out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self._budget += granted.pop(victim, 0)
+        self.kv.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+        logger.warning("preempted request %s (recompute of %d tokens); total preemptions %d",
+                       victim.request_id, victim.num_tokens, self.num_preemptions)
+
+    def _admit(self, granted: dict[Request, int]) -> None:
+        skips = 0
+        index = 0
+        while (index < len(self.waiting) and self._budget > 0
+               and len(self.running) < self.config.max_num_seqs):
+            request = self.waiting[index]
+            if request.waits_for_prefix:
+                index += 1
+                continue
+            cached = self.kv.find_cached_blocks(request)
+            num_computed = len(cached) * self.kv.block_size
+            num_new = self._num_new_tokens(request, num_computed)
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
+                # Does not fit now: let smaller requests behind it in, a bounded number
+                # of times per step, so it is not starved either.
+                skips += 1
+                if skips > self.config.max_admission_skips:
+                    break
+                index += 1
+                continue
+            del self.waiting[index]
+            request.num_computed_tokens = num_computed
+            request.metrics.num_cached_tokens = max(request.metrics.num_cached_tokens, num_computed)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            granted[request] = num_new
+            self._budget -= num_new
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING, request
+            table = self.kv.get_block_table(request.request_id)
+            assert len(table) >= self.kv.blocks_needed(request.num_computed_tokens), request
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), request
+            assert not self.kv.get_block_table(request.request_id), request

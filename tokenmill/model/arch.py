@@ -1,0 +1,87 @@
+"""The shape of a checkpoint, read from its config.json (any transformers version)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: dict[str, Any]
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    hidden_act: str
+    sliding_window: int | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    raw: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ArchConfig:
+        architectures = cfg.get("architectures") or []
+        if not architectures:
+            raise ValueError("config.json has no 'architectures' entry; cannot pick a model class")
+        model_type = cfg.get("model_type", "")
+        num_heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        head_dim = cfg.get("head_dim") or hidden // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        sliding = cfg.get("sliding_window")
+        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+            sliding = None
+        return cls(
+            architecture=architectures[0],
+            model_type=model_type,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope=_rope_parameters(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases and no o_proj bias; the others follow
+            # attention_bias for all four projections.
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            hidden_act=cfg.get("hidden_act", "silu"),
+            sliding_window=int(sliding) if sliding else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            raw=cfg,
+        )
+
+
+def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Merge the two spellings: `rope_parameters` (transformers 5) and `rope_theta` +
+    `rope_scaling` (earlier releases)."""
+    rope = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    rope.update({k: v for k, v in scaling.items() if k not in rope})
+    if "rope_theta" not in rope:
+        rope["rope_theta"] = cfg.get("rope_theta", 10000.0)
+    if "type" in rope and "rope_type" not in rope:
+        rope["rope_type"] = rope.pop("type")
+    rope.setdefault("rope_type", "default")
+    return rope

@@ -1,0 +1,100 @@
+"""Load a Hugging Face model directory: config, safetensors weights, tokenizer, defaults."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from tokenmill.model.arch import ArchConfig
+from tokenmill.model.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    arch: ArchConfig
+    generation_config: dict[str, Any]
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    # This CPU has no native 16-bit arithmetic: fp32 computes fastest there.
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[dtype]
+
+
+def read_config(model_dir: str | Path) -> ArchConfig:
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: {str(path)!r} is not a Hugging Face model directory "
+                         "(no config.json)")
+    return ArchConfig.from_hf_config(json.loads((path / "config.json").read_text()))
+
+
+def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
+    path = Path(model_dir) / "generation_config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model: no *.safetensors weights in {str(model_dir)!r}")
+    return files
+
+
+def iterate_weights(files: list[Path], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    names = [(h, n) for h in handles for n in h.keys()]
+    for handle, name in tqdm(names, desc="Loading weights", unit="tensor", disable=not progress,
+                             leave=False):
+        yield name, handle.get_tensor(name)
+
+
+def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
+               max_positions: int | None = None, progress: bool = True) -> LoadedModel:
+    model_dir = Path(model_dir)
+    arch = read_config(model_dir)
+    model_class = resolve_model_class(arch.architecture)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    positions = max_positions or arch.max_position_embeddings
+    with torch.device("meta"):
+        model = model_class(arch, positions)
+    model = model.to_empty(device=torch_device).to(torch_dtype)
+    model.tie_weights()
+    # Rotary tables stay in float32 whatever the weights' dtype.
+    model.model.rotary.float()
+    loaded = model.load_weights(iterate_weights(safetensors_files(model_dir), progress))
+    missing = model.expected_weights() - loaded
+    if missing:
+        raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {sorted(missing)[:8]}")
+    model.post_load()
+    model.eval().requires_grad_(False)
+    return LoadedModel(model, arch, read_generation_config(model_dir), torch_device, torch_dtype)

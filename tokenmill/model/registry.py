@@ -1,0 +1,23 @@
+"""From `architectures` in config.json to the class that runs it."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tokenmill.model.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def resolve_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        supported = ", ".join(sorted(MODEL_REGISTRY))
+        raise ValueError(f"unsupported architecture {architecture!r}; "
+                         f"tokenmill supports: {supported}") from None

@@ -1,0 +1,176 @@
+"""Turn a SchedulerOutput into one flattened batch, run the model, sample.
+
+Layout of a step's batch: decode tokens first (one per decoding request), then each
+prefill chunk. Logits are computed only at the rows that produce a token (the last
+token of a request that reaches its end) and, for requests that asked for them, at
+the prompt positions of the chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tokenmill.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
+from tokenmill.attention.paged import PagedAttention
+from tokenmill.engine.request import Request
+from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.layers.sampler import build_sampling_batch, sample, token_logprobs
+from tokenmill.model.arch import ArchConfig
+from tokenmill.outputs import TokenLogprob
+
+
+@dataclass
+class StepResult:
+    # request_id -> sampled token id (only requests that reached their end this step).
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # request_id -> logprobs of prompt tokens computed this step, in order.
+    prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, arch: ArchConfig, num_blocks: int,
+                 block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
+                 backend: AttentionBackend | None = None) -> None:
+        self.model = model
+        self.arch = arch
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend or PagedAttention()
+        shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+        # Zero-filled once: padded decode rows read unwritten slots (masked, but a NaN
+        # there would still poison the weighted sum).
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                          for _ in range(arch.num_layers)]
+        self.generator = torch.Generator().manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self._request_generators.pop(request_id, None)
+
+    def _generator_for(self, request: Request) -> torch.Generator | None:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._request_generators.get(request.request_id)
+        if gen is None:
+            # Children of one n>1 request get distinct streams from the same seed.
+            gen = torch.Generator().manual_seed(seed + request.sample_index)
+            self._request_generators[request.request_id] = gen
+        return gen
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
+        # One new token on top of a cached context runs on the batched decode path.
+        decodes = [(r, n) for r, n in sched.scheduled if n == 1 and r.num_computed_tokens > 0]
+        decode_ids = {id(r) for r, _ in decodes}
+        prefills = [(r, n) for r, n in sched.scheduled if id(r) not in decode_ids]
+        ordered = decodes + prefills
+
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        for request, num_new in ordered:
+            start = request.num_computed_tokens
+            table = block_tables[request.request_id]
+            tokens.extend(request.all_token_ids[start:start + num_new])
+            for pos in range(start, start + num_new):
+                positions.append(pos)
+                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+        metadata = self._attention_metadata(decodes, prefills, block_tables, slots)
+        device = self.device
+        hidden = self.model(torch.tensor(tokens, dtype=torch.int64, device=device),
+                            torch.tensor(positions, dtype=torch.int64, device=device),
+                            self.kv_caches, metadata, self.backend)
+        return self._sample(ordered, hidden)
+
+    def _attention_metadata(self, decodes: list[tuple[Request, int]],
+                            prefills: list[tuple[Request, int]],
+                            block_tables: dict[str, list[int]], slots: list[int]
+                            ) -> AttentionMetadata:
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decode_tokens=len(decodes), decode_block_tables=None, decode_seq_lens=None,
+            decode_mask=None, prefills=[])
+        if decodes:
+            tables = [block_tables[r.request_id] for r, _ in decodes]
+            width = max(len(t) for t in tables)
+            padded = [t + [0] * (width - len(t)) for t in tables]
+            seq_lens = torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes],
+                                    dtype=torch.int64, device=device)
+            key_pos = torch.arange(width * self.block_size, device=device)
+            metadata.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=device)
+            metadata.decode_seq_lens = seq_lens
+            metadata.decode_mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
+        offset = len(decodes)
+        for request, num_new in prefills:
+            table = block_tables[request.request_id]
+            seq_len = request.num_computed_tokens + num_new
+            used = table[:-(-seq_len // self.block_size)]
+            metadata.prefills.append(PrefillChunk(
+                start=offset, end=offset + num_new, context_len=request.num_computed_tokens,
+                block_table=torch.tensor(used, dtype=torch.int64, device=device)))
+            offset += num_new
+        return metadata
+
+    def _sample(self, ordered: list[tuple[Request, int]], hidden: torch.Tensor) -> StepResult:
+        result = StepResult()
+        sample_rows: list[int] = []
+        sample_requests: list[Request] = []
+        offset = 0
+        for request, num_new in ordered:
+            end = request.num_computed_tokens + num_new
+            if request.prompt_logprobs is not None:
+                self._prompt_logprobs(request, num_new, hidden[offset:offset + num_new], result)
+            if end == request.num_tokens:
+                sample_rows.append(offset + num_new - 1)
+                sample_requests.append(request)
+            offset += num_new
+        if not sample_requests:
+            return result
+        logits = self.model.compute_logits(hidden[sample_rows])
+        params = [r.sampling_params for r in sample_requests]
+        banned = [(row, sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids)))
+                  for row, r in enumerate(sample_requests)
+                  if r.num_output_tokens < r.sampling_params.min_tokens]
+        histories = [(r.prompt_token_ids, r.output_token_ids) for r in sample_requests]
+        batch = build_sampling_batch(params, histories, banned,
+                                     [self._generator_for(r) for r in sample_requests],
+                                     logits.shape[-1], logits.device)
+        out = sample(logits, batch, self.generator)
+        token_ids = out.token_ids.tolist()
+        for row, request in enumerate(sample_requests):
+            result.sampled[request.request_id] = token_ids[row]
+        if out.logprobs is not None:
+            chosen, ranks = out.logprobs.tolist(), out.ranks.tolist()
+            top_ids, top_lps = out.top_ids.tolist(), out.top_logprobs.tolist()
+            for row, request in enumerate(sample_requests):
+                num_top = request.sampling_params.logprobs
+                if num_top is None:
+                    continue
+                result.logprobs[request.request_id] = TokenLogprob(
+                    token_ids[row], chosen[row], ranks[row],
+                    list(zip(top_ids[row][:num_top], top_lps[row][:num_top], strict=True)))
+        return result
+
+    def _prompt_logprobs(self, request: Request, num_new: int, hidden: torch.Tensor,
+                         result: StepResult) -> None:
+        """Logprobs of the prompt tokens that this chunk's positions predict."""
+        start = request.num_computed_tokens
+        # Position p predicts token p + 1; only prompt tokens not yet reported.
+        first = max(start, len(request.prompt_logprobs) - 1)
+        last = min(start + num_new, request.num_prompt_tokens - 1)
+        if first >= last:
+            return
+        logprobs = self.model.compute_logits(hidden[first - start:last - start]).log_softmax(-1)
+        targets = torch.tensor(request.prompt_token_ids[first + 1:last + 1],
+                               dtype=torch.int64, device=logprobs.device)
+        num_top = request.sampling_params.prompt_logprobs
+        chosen, ranks, top_ids, top_lps = token_logprobs(logprobs, targets, num_top)
+        result.prompt_logprobs[request.request_id] = [
+            TokenLogprob(t, c, r, list(zip(i, lp, strict=True)))
+            for t, c, r, i, lp in zip(targets.tolist(), chosen.tolist(), ranks.tolist(),
+                                      top_ids.tolist(), top_lps.tolist(), strict=True)]

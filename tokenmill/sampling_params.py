@@ -1,0 +1,85 @@
+"""SamplingParams: how one request's tokens are chosen, with OpenAI/vLLM semantics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20
+
+
+def _check(ok: bool, name: str, allowed: str, value: object) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    # temperature 0 means greedy decoding.
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # top_k <= 0 disables the filter (vLLM uses -1, OpenAI-style clients send 0).
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    # Number of top alternatives to return beside each sampled token (None: no logprobs).
+    logprobs: int | None = None
+    # Number of top alternatives for each prompt token (None: no prompt logprobs).
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(isinstance(self.n, int) and 1 <= self.n <= 128, "n", "an integer in [1, 128]", self.n)
+        if self.max_tokens is not None:
+            _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens",
+                   "an integer >= 1", self.max_tokens)
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens",
+               "an integer >= 0", self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", "<= max_tokens",
+                   self.min_tokens)
+        _check(0.0 <= self.temperature <= 100.0, "temperature", "in [0, 100]", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
+               "an integer >= -1 (0 or -1 disables it)", self.top_k)
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]",
+               self.presence_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]",
+               self.frequency_penalty)
+        _check(0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "in (0, 2]",
+               self.repetition_penalty)
+        if self.seed is not None:
+            _check(isinstance(self.seed, int) and 0 <= self.seed < 2**63, "seed",
+                   "an integer in [0, 2**63)", self.seed)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, int) and 0 <= value <= MAX_LOGPROBS, name,
+                       f"an integer in [0, {MAX_LOGPROBS}]", value)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "a list of non-empty strings", self.stop)
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "a list of non-negative token ids", self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
