@@ -43,7 +43,7 @@ class Scheduler:
         self.kv = kv_manager
         self.clock = clock
         self.waiting: deque[Request] = deque()
-        # In admission order; the preemption victim is the latest arrival.
+        # In admission order.
         self.running: list[Request] = []
         self.num_preemptions = 0
 
@@ -81,9 +81,13 @@ class Scheduler:
         decodes = [r for r in self.running if r.num_tokens_to_compute == 1]
         partials = [r for r in self.running if r.num_tokens_to_compute > 1]
         if out.prefill_first:
-            self._schedule_running(partials, granted, out)
+            # Prefills jump the queue only with blocks that are free: letting them
+            # preempt here could evict the decodes they just overtook, forever. Those
+            # left out get a normal turn (which may preempt) after the decodes.
+            self._schedule_running(partials, granted, out, may_preempt=False)
             self._admit(granted)
             self._schedule_running(decodes, granted, out)
+            self._schedule_running([r for r in partials if r not in granted], granted, out)
         else:
             self._schedule_running(decodes, granted, out)
             self._schedule_running(partials, granted, out)
@@ -111,17 +115,24 @@ class Scheduler:
         if remaining <= 1:
             return min(remaining, self._budget)
         if not cfg.enable_chunked_prefill:
-            return remaining if remaining <= self._budget else 0
+            return self._whole(remaining)
         if cfg.chunk_policy == "fixed":
             return min(remaining, cfg.prefill_chunk_size, self._budget)
         # dynamic: short prompts run whole, long ones in at most dynamic_max_chunks chunks.
         if request.num_tokens <= cfg.dynamic_chunk_threshold:
-            return remaining if remaining <= self._budget else 0
+            return self._whole(remaining)
         chunk = -(-request.num_tokens // cfg.dynamic_max_chunks)
         return min(remaining, chunk, self._budget)
 
+    def _whole(self, remaining: int) -> int:
+        """All remaining tokens, or none this step; a prompt larger than a whole step's
+        budget could never run whole, so it is chunked rather than left waiting forever."""
+        if remaining <= self._budget:
+            return remaining
+        return self._budget if remaining > self.config.max_num_batched_tokens else 0
+
     def _schedule_running(self, requests: list[Request], granted: dict[Request, int],
-                          out: SchedulerOutput) -> None:
+                          out: SchedulerOutput, may_preempt: bool = True) -> None:
         for request in requests:
             if request.status != RequestStatus.RUNNING or self._budget <= 0:
                 continue
@@ -129,13 +140,20 @@ class Scheduler:
             if num_new == 0:
                 continue
             while not self.kv.allocate_slots(request, num_new):
-                victim = self.running[-1]
+                if not may_preempt:
+                    break
+                victim = self._latest_arrival()
                 self._preempt(victim, granted, out)
                 if victim is request:
                     break
             else:
                 granted[request] = num_new
                 self._budget -= num_new
+
+    def _latest_arrival(self) -> Request:
+        """The preemption victim. The earliest arrival is never chosen while others run,
+        so it always progresses and fits the pool alone: no livelock."""
+        return max(reversed(self.running), key=lambda r: r.metrics.arrival_time)
 
     def _preempt(self, victim: Request, granted: dict[Request, int], out: SchedulerOutput) -> None:
         self.running.remove(victim)
