@@ -59,14 +59,16 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos.copy_(angles.cos())
         self.sin.copy_(angles.sin())
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D]; rotated copies."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """cos and sin for each token, shaped [T, 1, D/2] to broadcast over heads.
+        Looked up once per step and shared by every layer."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Rotate [T, heads, D] by the per-token angles (first half with second half)."""
+    cos, sin = cos_sin
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -16,7 +16,7 @@ from torch import nn
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
 from tokenmill.layers.norm import RMSNorm
-from tokenmill.layers.rotary import RotaryEmbedding
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.model.arch import ArchConfig
 
 # checkpoint projection -> (fused parameter, shard name)
@@ -30,7 +30,7 @@ STACKED_PARAMS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
@@ -41,7 +41,6 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.rotary = rotary
         self.scale = self.head_dim ** -0.5
 
     def shard_slice(self, shard: str) -> slice:
@@ -50,8 +49,9 @@ class Attention(nn.Module):
         start, size = offsets[shard]
         return slice(start, start + size)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend
+                ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -60,7 +60,7 @@ class Attention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         out = backend.forward(q, k, v.contiguous(), kv_cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -82,16 +82,17 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, rotary)
+        self.self_attn = Attention(arch)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
-                metadata: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache,
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend
+                ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache,
                                          metadata, backend)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
@@ -101,7 +102,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
-        self.layers = nn.ModuleList(DecoderLayer(arch, self.rotary) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -131,8 +132,9 @@ class LlamaForCausalLM(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [T, hidden] for a flattened batch of T tokens."""
         hidden = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, metadata, backend)
+            hidden = layer(rope, hidden, kv_cache, metadata, backend)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
