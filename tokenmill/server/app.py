@@ -52,7 +52,7 @@ class BodySizeLimit:
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
-            return await self._reject(send)
+            return await self._reject(scope, receive, send)
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -62,7 +62,7 @@ class BodySizeLimit:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_bytes:
-                return await self._reject(send)
+                return await self._reject(scope, receive, send)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 break
@@ -77,11 +77,11 @@ class BodySizeLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send: Send) -> None:
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         response = JSONResponse(
             error_body(413, f"request body is larger than {self.max_bytes} bytes"),
             status_code=413, headers={"Connection": "close"})
-        await response(None, None, send)  # JSONResponse ignores scope and receive
+        await response(scope, receive, send)
 
 
 def _auth_dependency(api_key: str | None):

@@ -108,6 +108,9 @@ class OpenAIServing:
         """OpenAI semantics: prompt + max_tokens beyond the context is an error."""
         num = len(prompt.token_ids)
         limit = self.async_engine.max_model_len
+        if num >= limit:
+            raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
+                           f"prompt has {num}", param="prompt", code="context_length_exceeded")
         if requested_max_tokens is not None and num and num + requested_max_tokens > limit:
             raise APIError(400, f"this model's maximum context length is {limit} tokens; the "
                            f"prompt has {num} tokens and max_tokens asks for "
