@@ -21,7 +21,7 @@ def engine(llama_dir) -> LLMEngine:
 
 def run(engine: LLMEngine, scenario, max_queue: int = 8):
     async def main():
-        async_engine = AsyncLLMEngine(engine, max_queue=max_queue)
+        async_engine = AsyncLLMEngine(engine, max_queue=max_queue, check_integrity_when_idle=True)
         async_engine.start()
         try:
             return await scenario(async_engine)
@@ -146,3 +146,26 @@ def test_idle_loop_blocks_instead_of_spinning(engine, monkeypatch):
     idle = run(engine, scenario)
     assert idle["steps"] == 0
     assert idle["checks"] <= 3
+
+
+def test_failure_while_scheduling_fails_the_waiting_requests(engine, monkeypatch):
+    original = engine.scheduler.schedule
+    calls = {"n": 0}
+
+    def flaky_schedule():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected failure")
+        return original()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", flaky_schedule)
+
+    async def scenario(async_engine):
+        with pytest.raises(RuntimeError, match="injected failure"):
+            async for _ in async_engine.generate("first", [1, 2], GREEDY):
+                pass
+        return [o async for o in async_engine.generate("second", [1, 2], GREEDY)]
+
+    outputs = run(engine, scenario)
+    assert outputs[-1].finished
+    engine.check_integrity()

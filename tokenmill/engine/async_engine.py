@@ -134,12 +134,15 @@ class EngineSnapshot:
 
 
 class AsyncLLMEngine:
-    def __init__(self, engine: LLMEngine, max_queue: int = 64) -> None:
+    def __init__(self, engine: LLMEngine, max_queue: int = 64,
+                 check_integrity_when_idle: bool = False) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
         self.engine = engine
         self.max_queue = max_queue
         self.capacity = engine.config.scheduler.max_num_seqs + max_queue
+        # Run the engine's invariant checks each time the loop runs dry (tests).
+        self.check_integrity_when_idle = check_integrity_when_idle
         self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         # Owned by the loop thread.
         self._streams: dict[str, tuple[RequestStream, int]] = {}
@@ -228,6 +231,8 @@ class AsyncLLMEngine:
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
+                if idle and self.check_integrity_when_idle:
+                    self.engine.check_integrity()
                 if not self._handle_commands(block=idle):
                     break
                 if self.engine.has_unfinished_requests():
@@ -292,6 +297,10 @@ class AsyncLLMEngine:
             logger.exception("engine step failed; failing the requests running in it")
             error = RequestFailedError(f"the engine failed while running this request: {exc!r}")
             victims = {r.group_id for r in self.engine.scheduler.running}
+            if not victims:
+                # It failed before anything ran (while scheduling): fail everything
+                # unfinished, or the loop would retry the same failure forever.
+                victims = set(self.engine.groups)
             for request_id in victims:
                 self._fail(request_id, error)
             return

@@ -52,7 +52,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.max_queue < 0:
+        parser.error("--max-queue must be >= 0")
+    if args.max_body_bytes < 1:
+        parser.error("--max-body-bytes must be >= 1")
+    if args.shutdown_grace < 0:
+        parser.error("--shutdown-grace must be >= 0")
     engine_options = {field.name: getattr(args, field.name) for _, field in config_fields()
                       if getattr(args, field.name) is not None}
     try:

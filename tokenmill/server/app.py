@@ -21,9 +21,12 @@ from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openai_serving import OpenAIServing
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -33,6 +36,19 @@ from tokenmill.server.protocol import (
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+
+_ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorResponse, "description": what} for status, what in (
+        (400, "invalid request"), (401, "missing or wrong API key"),
+        (404, "unknown model"), (413, "body too large"),
+        (429, "at capacity; see Retry-After"), (500, "the engine failed the request"),
+        (503, "shutting down; see Retry-After"))}
+
+
+def _generation_responses(model: type) -> dict[int | str, dict]:
+    ok = {"model": model, "description": "the response, or server-sent events when stream=true",
+          "content": {"text/event-stream": {}}}
+    return {200: ok, **_ERROR_RESPONSES}
 
 
 class BodySizeLimit:
@@ -136,15 +152,17 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
         return ModelList(data=[ModelCard(id=served_model_name,
                                          max_model_len=async_engine.max_model_len)])
 
-    @api.post("/v1/completions")
+    @api.post("/v1/completions", response_model=None,
+              responses=_generation_responses(CompletionResponse))
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.create_completion(body, raw)
 
-    @api.post("/v1/chat/completions")
+    @api.post("/v1/chat/completions", response_model=None,
+              responses=_generation_responses(ChatCompletionResponse))
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(body, raw)
 
-    @api.post("/tokenize")
+    @api.post("/tokenize", responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
@@ -159,7 +177,7 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
         return TokenizeResponse(tokens=tokens, count=len(tokens),
                                 max_model_len=async_engine.max_model_len)
 
-    @api.post("/detokenize")
+    @api.post("/detokenize", responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)
         vocab = async_engine.engine.arch.vocab_size

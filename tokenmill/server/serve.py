@@ -28,7 +28,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                max_queue: int = 64, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                shutdown_grace_s: float = 10.0, log_level: str = "info") -> None:
     """Serve until SIGTERM/SIGINT. The API key falls back to $TOKENMILL_API_KEY."""
-    logging.basicConfig(level=log_level.upper(),
+    logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = api_key or os.environ.get(API_KEY_ENV) or None
     name = served_model_name or config.model.model
