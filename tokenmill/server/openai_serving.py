@@ -2,8 +2,8 @@
 
 Prompts are tokenized here, on the event loop, so that every validation error
 (bad field, prompt too long for the context) is a 400 before anything is queued.
-Engine outputs are cumulative; streaming responses send the difference from what
-was already sent.
+A non-streamed request whose client goes away is aborted (the connection is polled);
+a streamed one is aborted when its response generator is closed.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -21,39 +20,21 @@ from pydantic import BaseModel
 
 from tokenmill.chat import apply_chat_template
 from tokenmill.engine.async_engine import AsyncLLMEngine, RequestStream
-from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.server.errors import APIError, error_body, from_exception
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
-    ChatChoice,
-    ChatChoiceLogprobs,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatCompletionStreamResponse,
-    ChatLogprobEntry,
-    ChatResponseMessage,
-    ChatStreamChoice,
-    CompletionChoice,
-    CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    CompletionStreamResponse,
-    DeltaMessage,
-    RequestTimings,
-    TopLogprob,
-    UsageInfo,
 )
+from tokenmill.server.shaping import ChatShaper, CompletionShaper, PromptInput, Shaper
 
 _PARAM_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(
     ChatCompletionRequest.model_fields)
 _DISCONNECT_POLL_S = 0.25
-
-
-@dataclass
-class _Prompt:
-    text: str | None
-    token_ids: list[int]
 
 
 class OpenAIServing:
@@ -103,7 +84,7 @@ class OpenAIServing:
         except ValueError as exc:
             raise from_exception(exc, _PARAM_FIELDS) from exc
 
-    def _check_prompt(self, prompt: _Prompt, params: SamplingParams,
+    def _check_prompt(self, prompt: PromptInput, params: SamplingParams,
                       requested_max_tokens: int | None) -> None:
         """OpenAI semantics: prompt + max_tokens beyond the context is an error."""
         num = len(prompt.token_ids)
@@ -124,17 +105,17 @@ class OpenAIServing:
                 error.param = "prompt"
             raise error from exc
 
-    def _completion_prompts(self, prompt: str | list) -> list[_Prompt]:
+    def _completion_prompts(self, prompt: str | list) -> list[PromptInput]:
         if isinstance(prompt, str):
-            return [_Prompt(prompt, self.engine.encode(prompt))]
+            return [PromptInput(prompt, self.engine.encode(prompt))]
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
-            return [_Prompt(None, list(prompt))]
-        return [_Prompt(p, self.engine.encode(p)) if isinstance(p, str) else _Prompt(None, list(p))
+            return [PromptInput(None, list(prompt))]
+        return [PromptInput(p, self.engine.encode(p)) if isinstance(p, str) else PromptInput(None, list(p))
                 for p in prompt]
 
-    def _add_all(self, request_id: str, prompts: list[_Prompt], params: SamplingParams
+    def _add_all(self, request_id: str, prompts: list[PromptInput], params: SamplingParams
                  ) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
@@ -173,7 +154,7 @@ class OpenAIServing:
                 prompt.text = self.tokenizer.decode(prompt.token_ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._add_all(request_id, prompts, params)
-        shaper = _CompletionShaper(self, req, prompts, echo_only)
+        shaper = CompletionShaper(self, req, prompts, echo_only)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(self._stream(streams, shaper, request_id, include_usage))
@@ -195,11 +176,11 @@ class OpenAIServing:
             else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs)
-        prompt = _Prompt(None, self.chat_prompt(req.messages, req.add_generation_prompt))
+        prompt = PromptInput(None, self.chat_prompt(req.messages, req.add_generation_prompt))
         self._check_prompt(prompt, params, max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._add_all(request_id, [prompt], params)
-        shaper = _ChatShaper(self, req, [prompt])
+        shaper = ChatShaper(self, req, [prompt])
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(self._stream(streams, shaper, request_id, include_usage))
@@ -244,7 +225,7 @@ class OpenAIServing:
             # Retrieve the outcome so asyncio does not log "exception never retrieved".
             gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
 
-    async def _stream(self, streams: list[RequestStream], shaper: _Shaper, request_id: str,
+    async def _stream(self, streams: list[RequestStream], shaper: Shaper, request_id: str,
                       include_usage: bool) -> AsyncIterator[str]:
         finals: list[RequestOutput | None] = [None] * len(streams)
         try:
@@ -265,197 +246,6 @@ class OpenAIServing:
             for stream in streams:
                 stream.cancel()
         yield "data: [DONE]\n\n"
-
-
-class _Shaper:
-    """Turns engine outputs into one endpoint's response objects."""
-
-    def __init__(self, serving: OpenAIServing, req, prompts: list[_Prompt]) -> None:
-        self.serving = serving
-        self.req = req
-        self.prompts = prompts
-        self.n = req.n
-        num_choices = len(prompts) * req.n
-        self.sent_chars = [0] * num_choices
-        self.sent_tokens = [0] * num_choices
-        self.done = [False] * num_choices
-
-    def usage(self, finals: list[RequestOutput | None]) -> UsageInfo:
-        prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(self._num_completion_tokens(c) for f in finals if f is not None
-                         for c in f.outputs)
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                         total_tokens=prompt_tokens + completion)
-
-    def _num_completion_tokens(self, choice: CompletionOutput) -> int:
-        return len(choice.token_ids)
-
-    def _take_delta(self, index: int, choice: CompletionOutput) -> tuple[str, list[int], bool]:
-        """New text, new token positions and whether the choice just finished."""
-        text = choice.text[self.sent_chars[index]:]
-        self.sent_chars[index] = len(choice.text)
-        start = self.sent_tokens[index]
-        self.sent_tokens[index] = len(choice.token_ids)
-        just_finished = choice.finished and not self.done[index]
-        self.done[index] = self.done[index] or choice.finished
-        return text, list(range(start, len(choice.token_ids))), just_finished
-
-    def start_chunks(self, request_id: str) -> list[BaseModel]:
-        return []
-
-    def delta_chunks(self, request_id: str, prompt_index: int, output: RequestOutput
-                     ) -> list[BaseModel]:
-        raise NotImplementedError
-
-    def usage_chunk(self, request_id: str, finals: list[RequestOutput | None]) -> BaseModel:
-        raise NotImplementedError
-
-
-class _CompletionShaper(_Shaper):
-    def __init__(self, serving: OpenAIServing, req: CompletionRequest, prompts: list[_Prompt],
-                 echo_only: bool) -> None:
-        super().__init__(serving, req, prompts)
-        self.echo_only = echo_only
-        self.echoed = [False] * len(self.done)
-
-    def _num_completion_tokens(self, choice: CompletionOutput) -> int:
-        return 0 if self.echo_only else len(choice.token_ids)
-
-    def _logprobs(self, prompt: _Prompt, output: RequestOutput, choice: CompletionOutput,
-                  positions: list[int], with_prompt: bool, offset: int) -> CompletionLogprobs:
-        entries: list[tuple[int, TokenLogprob | None]] = []
-        if with_prompt:
-            prompt_lps = output.prompt_logprobs or [None] * len(prompt.token_ids)
-            entries += list(zip(prompt.token_ids, prompt_lps, strict=False))
-        if not self.echo_only and choice.logprobs is not None:
-            entries += [(choice.token_ids[i], choice.logprobs[i]) for i in positions
-                        if i < len(choice.logprobs)]
-        result = CompletionLogprobs()
-        for token_id, logprob in entries:
-            text = self.serving.token_text(token_id)
-            result.tokens.append(text)
-            result.text_offset.append(offset)
-            offset += len(text)
-            if logprob is None:
-                result.token_logprobs.append(None)
-                result.top_logprobs.append(None)
-                continue
-            result.token_logprobs.append(logprob.logprob)
-            # Several ids can decode to the same text (partial UTF-8 bytes); keep the most
-            # likely, as `top` is sorted most likely first.
-            top: dict[str, float] = {}
-            for alt_id, alt_logprob in logprob.top:
-                top.setdefault(self.serving.token_text(alt_id), alt_logprob)
-            top.setdefault(text, logprob.logprob)
-            result.top_logprobs.append(top)
-        return result
-
-    def _choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput,
-                final: bool) -> CompletionChoice | None:
-        index = prompt_index * self.n + choice.index
-        prompt = self.prompts[prompt_index]
-        already = self.sent_chars[index]
-        text, positions, just_finished = self._take_delta(index, choice)
-        if self.echo_only:
-            text, positions = "", []
-        echo_now = self.req.echo and not self.echoed[index]
-        self.echoed[index] = self.echoed[index] or self.req.echo
-        offset = already + (len(prompt.text or "") if self.req.echo else 0)
-        if echo_now:
-            text = (prompt.text or "") + text
-            offset = 0
-        wants_logprobs = self.req.logprobs is not None and positions
-        if not final and not text and not wants_logprobs and not just_finished:
-            return None
-        logprobs = None
-        if self.req.logprobs is not None:
-            logprobs = self._logprobs(prompt, output, choice, positions, echo_now, offset)
-        return CompletionChoice(
-            index=index, text=text, logprobs=logprobs,
-            finish_reason=choice.finish_reason if just_finished or final else None,
-            stop_reason=choice.stop_reason if just_finished or final else None,
-            timings=_timings(choice) if final else None)
-
-    def final(self, prompt_index: int, output: RequestOutput) -> list[CompletionChoice]:
-        return [self._choice(prompt_index, output, c, final=True) for c in output.outputs]
-
-    def delta_chunks(self, request_id: str, prompt_index: int, output: RequestOutput
-                     ) -> list[BaseModel]:
-        chunks = []
-        for choice in output.outputs:
-            shaped = self._choice(prompt_index, output, choice, final=False)
-            if shaped is not None:
-                chunks.append(CompletionStreamResponse(id=request_id, model=self.serving.model_name,
-                                                       choices=[shaped]))
-        return chunks
-
-    def usage_chunk(self, request_id: str, finals: list[RequestOutput | None]) -> BaseModel:
-        return CompletionStreamResponse(id=request_id, model=self.serving.model_name, choices=[],
-                                        usage=self.usage(finals))
-
-
-class _ChatShaper(_Shaper):
-    def _logprobs(self, choice: CompletionOutput, positions: list[int]) -> ChatChoiceLogprobs:
-        entries = []
-        token_text = self.serving.token_text
-        for i in positions:
-            if choice.logprobs is None or i >= len(choice.logprobs):
-                break
-            logprob = choice.logprobs[i]
-            text = token_text(logprob.token_id)
-            top = [TopLogprob(token=token_text(t), logprob=lp,
-                              bytes=list(token_text(t).encode()))
-                   for t, lp in logprob.top]
-            entries.append(ChatLogprobEntry(token=text, logprob=logprob.logprob,
-                                            bytes=list(text.encode()), top_logprobs=top))
-        return ChatChoiceLogprobs(content=entries)
-
-    def final(self, prompt_index: int, output: RequestOutput) -> list[ChatChoice]:
-        choices = []
-        for choice in output.outputs:
-            positions = list(range(len(choice.token_ids)))
-            choices.append(ChatChoice(
-                index=choice.index, message=ChatResponseMessage(content=choice.text),
-                logprobs=self._logprobs(choice, positions) if self.req.logprobs else None,
-                finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
-                timings=_timings(choice)))
-        return choices
-
-    def start_chunks(self, request_id: str) -> list[BaseModel]:
-        return [ChatCompletionStreamResponse(
-            id=request_id, model=self.serving.model_name,
-            choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                     for i in range(self.n)])]
-
-    def delta_chunks(self, request_id: str, prompt_index: int, output: RequestOutput
-                     ) -> list[BaseModel]:
-        chunks = []
-        for choice in output.outputs:
-            text, positions, just_finished = self._take_delta(choice.index, choice)
-            if not text and not (self.req.logprobs and positions) and not just_finished:
-                continue
-            shaped = ChatStreamChoice(
-                index=choice.index, delta=DeltaMessage(content=text or None),
-                logprobs=self._logprobs(choice, positions) if self.req.logprobs else None,
-                finish_reason=choice.finish_reason if just_finished else None,
-                stop_reason=choice.stop_reason if just_finished else None)
-            chunks.append(ChatCompletionStreamResponse(id=request_id,
-                                                       model=self.serving.model_name,
-                                                       choices=[shaped]))
-        return chunks
-
-    def usage_chunk(self, request_id: str, finals: list[RequestOutput | None]) -> BaseModel:
-        return ChatCompletionStreamResponse(id=request_id, model=self.serving.model_name,
-                                            choices=[], usage=self.usage(finals))
-
-
-def _timings(choice: CompletionOutput) -> RequestTimings | None:
-    m = choice.metrics
-    if m is None:
-        return None
-    return RequestTimings(queue_time=m.queue_time, time_to_first_token=m.time_to_first_token,
-                          time_per_output_token=m.time_per_output_token,
-                          e2e_latency=m.e2e_latency)
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
