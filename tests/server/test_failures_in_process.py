@@ -30,7 +30,7 @@ def run_with_app(engine: LLMEngine, scenario) -> object:
         try:
             async with httpx.AsyncClient(transport=transport, base_url="http://app",
                                          timeout=30) as client:
-                return await scenario(client)
+                return await scenario(client, async_engine)
         finally:
             await async_engine.shutdown(1.0)
 
@@ -59,7 +59,7 @@ def assert_engine_error(response: httpx.Response) -> None:
 def test_failed_step_is_a_500_and_the_next_request_succeeds(engine, monkeypatch):
     fail_once(monkeypatch, engine.runner, "execute")
 
-    async def scenario(client):
+    async def scenario(client, async_engine):
         first = await client.post("/v1/completions", json=REQUEST)
         second = await client.post("/v1/completions", json=REQUEST)
         return first, second
@@ -75,7 +75,7 @@ def test_failed_step_is_a_500_and_the_next_request_succeeds(engine, monkeypatch)
 def test_failed_add_is_a_500_and_the_next_request_succeeds(engine, monkeypatch):
     fail_once(monkeypatch, engine, "add_request")
 
-    async def scenario(client):
+    async def scenario(client, async_engine):
         first = await client.post("/v1/chat/completions", json={
             "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3})
         second = await client.post("/v1/completions", json=REQUEST)
@@ -98,7 +98,7 @@ def test_failure_mid_stream_ends_the_stream_with_an_error_event(engine, monkeypa
 
     monkeypatch.setattr(engine.runner, "execute", fail_third)
 
-    async def scenario(client):
+    async def scenario(client, async_engine):
         response = await client.post("/v1/completions", json={**REQUEST, "stream": True,
                                                               "max_tokens": 10})
         events = [line[5:].strip() for line in response.text.splitlines()
@@ -125,7 +125,7 @@ def test_failure_in_one_request_leaves_concurrent_ones_alone(engine, monkeypatch
 
     monkeypatch.setattr(engine, "add_request", reject_poisoned)
 
-    async def scenario(client):
+    async def scenario(client, async_engine):
         healthy = client.post("/v1/completions", json={**REQUEST, "max_tokens": 40,
                                                        "ignore_eos": True})
         poisoned = client.post("/v1/completions", json={**REQUEST, "max_tokens": 7})
@@ -135,3 +135,25 @@ def test_failure_in_one_request_leaves_concurrent_ones_alone(engine, monkeypatch
     assert healthy.status_code == 200
     assert healthy.json()["usage"]["completion_tokens"] == 40
     assert_engine_error(poisoned)
+
+
+def test_shutting_down_answers_503_with_retry_after(engine):
+    async def scenario(client, async_engine):
+        await async_engine.shutdown(0.0)
+        return (await client.post("/v1/completions", json=REQUEST),
+                await client.get("/health"))
+
+    refused, health = run_with_app(engine, scenario)
+    assert refused.status_code == 503 and int(refused.headers["Retry-After"]) >= 1
+    assert refused.json()["error"]["type"] == "service_unavailable_error"
+    assert health.status_code == 503
+
+
+def test_api_key_comes_from_the_argument_then_the_environment(monkeypatch):
+    from tokenmill.server.serve import API_KEY_ENV, resolve_api_key
+
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert resolve_api_key("given") == "given"
+    assert resolve_api_key(None) == "from-env"
+    monkeypatch.delenv(API_KEY_ENV)
+    assert resolve_api_key(None) is None

@@ -30,7 +30,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     """Serve until SIGTERM/SIGINT. The API key falls back to $TOKENMILL_API_KEY."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = resolve_api_key(api_key)
     name = served_model_name or config.model.model
     engine = LLMEngine(config, progress=False)
     async_engine = AsyncLLMEngine(engine, max_queue=max_queue)
@@ -46,6 +46,11 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         signal.signal(sig, lambda signum, frame: None)
     asyncio.run(_serve(server, name, host, port, api_key is not None))
     logger.info("tokenmill server stopped")
+
+
+def resolve_api_key(api_key: str | None) -> str | None:
+    """The key to require: the argument, else $TOKENMILL_API_KEY, else none."""
+    return api_key or os.environ.get(API_KEY_ENV) or None
 
 
 async def _serve(server: uvicorn.Server, name: str, host: str, port: int, auth: bool) -> None:
