@@ -149,7 +149,6 @@ class AsyncLLMEngine:
         # Sequences admitted and not yet finished; guarded by _lock.
         self._lock = threading.Lock()
         self._in_flight = 0
-        self._counter = 0
         self.accepting = True
         self.dead_error: BaseException | None = None
         self.snapshot = EngineSnapshot()
@@ -177,11 +176,6 @@ class AsyncLLMEngine:
         if not self._thread.is_alive() and self._thread.ident is None:
             self._thread.start()
 
-    def new_request_id(self, prefix: str = "req") -> str:
-        with self._lock:
-            self._counter += 1
-            return f"{prefix}-{self._counter}"
-
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams
                     ) -> RequestStream:
         """Queue a request; call from the event loop that will read the stream.
@@ -203,7 +197,7 @@ class AsyncLLMEngine:
 
     async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams
                        ) -> AsyncIterator[RequestOutput]:
-        """Add a request and yield its outputs; leaving early aborts it."""
+        """Add a request (on first iteration) and yield its outputs; leaving early aborts it."""
         stream = self.add_request(request_id, prompt, params)
         try:
             async for output in stream:
