@@ -186,4 +186,20 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
         return DetokenizeResponse(prompt=async_engine.tokenizer.decode(body.tokens))
 
     app.include_router(api)
+    _document_400_not_422(app)
     return app
+
+
+def _document_400_not_422(app: FastAPI) -> None:
+    """Validation errors are answered with 400 (OpenAI's choice), so the schema says so."""
+    build_schema = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = build_schema()
+            for path in schema.get("paths", {}).values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+        return app.openapi_schema
+
+    app.openapi = openapi
