@@ -7,6 +7,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from tokenmill.chat import apply_chat_template
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.outputs import RequestOutput
@@ -67,13 +68,7 @@ class LLM:
         return self.generate(prompts, params, use_tqdm)
 
     def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if not messages:
-            raise ValueError("messages must not be empty")
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template; use generate() with a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                  tokenize=False)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return apply_chat_template(self.tokenizer, messages)
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
