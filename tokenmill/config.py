@@ -15,6 +15,7 @@ from typing import Any, Literal
 CHUNK_POLICIES = ("fixed", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 
 # The embedded default model, committed with the project.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pycoder"
@@ -27,7 +28,7 @@ def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache: block geometry, memory budget and prefix caching."""
+    """Paged KV cache: block geometry, storage dtype, memory budget and prefix caching."""
 
     block_size: int = 16
     # Bytes for the KV pool. None: derive from kv_cache_memory_fraction.
@@ -38,8 +39,13 @@ class CacheConfig:
     # Force an exact number of blocks (tests and benchmarks); overrides the budget.
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    # auto: the model dtype. int8 / fp8 (e4m3): 1-byte codes with a float32 scale per
+    # token per KV head, computed when the token is written (no calibration).
+    kv_cache_dtype: Literal["auto", "int8", "fp8"] = "auto"
 
     def __post_init__(self) -> None:
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype",
+                 f"one of {KV_CACHE_DTYPES}", self.kv_cache_dtype)
         _require(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128, 256), "block_size",
                  "a power of two in [1, 256]", self.block_size)
         if self.kv_cache_memory is not None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.kv import KVCache
+
 
 @dataclass
 class PrefillChunk:
@@ -48,9 +50,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+                kv_cache: KVCache, metadata: AttentionMetadata, scale: float
                 ) -> torch.Tensor:
-        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: [2, num_blocks, block_size, KVH, D].
+        """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: this layer's paged cache.
 
-        Returns the attention output [T, H, D].
+        Writes k, v into the cache (quantizing them if the cache is quantized) and
+        returns the attention output [T, H, D]. Every key/value a query attends to,
+        including its own chunk's, must be read as the cache holds it, so that a
+        token's output does not depend on how the batch was chunked.
         """

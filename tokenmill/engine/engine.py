@@ -79,15 +79,16 @@ class LLMEngine:
 
         plan = plan_kv_blocks(config, arch, loaded.dtype, loaded.device)
         self.kv_plan = plan
-        logger.info("KV cache: %d blocks of %d tokens (%.1f MiB), %d tokens, "
-                    "%d concurrent sequences at %d tokens", plan.num_blocks,
-                    config.cache.block_size, plan.total_bytes / 2**20, plan.num_tokens,
-                    plan.max_concurrent_sequences, max_model_len)
+        logger.info("KV cache (%s): %d blocks of %d tokens (%.1f MiB), %d tokens, "
+                    "%d concurrent sequences at %d tokens", plan.kv_cache_dtype,
+                    plan.num_blocks, config.cache.block_size, plan.total_bytes / 2**20,
+                    plan.num_tokens, plan.max_concurrent_sequences, max_model_len)
         self.kv_manager = KVCacheManager(plan.num_blocks, config.cache.block_size,
                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
         self.runner = ModelRunner(loaded.model, arch, plan.num_blocks, config.cache.block_size,
-                                  loaded.device, loaded.dtype, seed=mcfg.seed)
+                                  loaded.device, loaded.dtype, seed=mcfg.seed,
+                                  kv_cache_dtype=config.cache.kv_cache_dtype)
         self.groups: dict[str, RequestGroup] = {}
         self._requests: dict[str, tuple[RequestGroup, int]] = {}
         self.stats = EngineStats()

@@ -1,4 +1,5 @@
-"""How many KV blocks a memory budget buys: the one implementation of that arithmetic."""
+"""How many KV blocks a memory budget buys, and whether a deployment fits: the one
+implementation of that arithmetic (the engine's start-up and `tokenmill plan memory`)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.kv.quant import SCALE_DTYPE, is_quantized, storage_dtype
 from tokenmill.model.arch import ArchConfig
 
 
@@ -17,6 +19,7 @@ class KVPlan:
     block_size: int
     bytes_per_block: int
     max_model_len: int
+    kv_cache_dtype: str = "auto"
 
     @property
     def total_bytes(self) -> int:
@@ -29,12 +32,21 @@ class KVPlan:
     @property
     def max_concurrent_sequences(self) -> int:
         """Full-context sequences the pool holds at once."""
-        return self.num_blocks // -(-self.max_model_len // self.block_size)
+        return self.num_blocks // blocks_for(self.max_model_len, self.block_size)
 
 
-def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    element = torch.empty((), dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * element
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def kv_bytes_per_block(arch: ArchConfig, block_size: int, dtype: torch.dtype,
+                       kv_cache_dtype: str = "auto") -> int:
+    """Bytes of one block over all layers, K and V, scales included when quantized."""
+    storage = storage_dtype(kv_cache_dtype, dtype)
+    per_head = arch.head_dim * storage.itemsize
+    if is_quantized(storage):
+        per_head += SCALE_DTYPE.itemsize  # one scale per token per KV head
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * per_head
 
 
 def available_memory(device: torch.device) -> int:
@@ -55,8 +67,8 @@ def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
                    device: torch.device) -> KVPlan:
     cache = config.cache
     max_model_len = config.model.max_model_len or arch.max_position_embeddings
-    per_block = kv_bytes_per_block(arch, cache.block_size, dtype)
-    blocks_per_seq = -(-max_model_len // cache.block_size)
+    per_block = kv_bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype)
+    blocks_per_seq = blocks_for(max_model_len, cache.block_size)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
     else:
@@ -70,4 +82,101 @@ def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
         num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory: the budget holds no KV block of {per_block} bytes")
-    return KVPlan(num_blocks, cache.block_size, per_block, max_model_len)
+    return KVPlan(num_blocks, cache.block_size, per_block, max_model_len, cache.kv_cache_dtype)
+
+
+# ---- whole-deployment plan (`tokenmill plan memory`) ----------------------------------------
+
+def num_parameters(arch: ArchConfig) -> int:
+    """Parameters of a Llama-family decoder, counted from its shape."""
+    hidden, inter = arch.hidden_size, arch.intermediate_size
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter + 2 * hidden
+    if arch.qkv_bias:
+        layer += q_size + 2 * kv_size
+    if arch.o_proj_bias:
+        layer += hidden
+    if arch.mlp_bias:
+        layer += 2 * inter + hidden
+    if arch.qk_norm:
+        layer += 2 * arch.head_dim
+    embed = arch.vocab_size * hidden
+    return embed * (1 if arch.tie_word_embeddings else 2) + arch.num_layers * layer + hidden
+
+
+def activation_bytes(arch: ArchConfig, dtype: torch.dtype, context: int, concurrency: int,
+                     max_batched_tokens: int, block_size: int) -> int:
+    """Peak transient memory of one step (an estimate: one layer's tensors live at once).
+
+    Terms: one layer's projections and MLP over the step's tokens; the score matrix of
+    a prefill chunk against its whole context (float32); the decode rows' K/V gathered
+    (and dequantised) in the compute dtype for one layer; the sampled rows' logits.
+    """
+    tokens = min(max_batched_tokens, context * concurrency)
+    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    layer = tokens * (3 * arch.hidden_size + 2 * q_size + 2 * kv_size + 3 * arch.intermediate_size)
+    scores = arch.num_heads * min(tokens, context) * context * 4
+    gathered = concurrency * blocks_for(context, block_size) * block_size * 2 * kv_size
+    logits = concurrency * arch.vocab_size * 4
+    return (layer + gathered) * dtype.itemsize + scores + logits
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    num_parameters: int
+    weights_bytes: int
+    kv: KVPlan  # the blocks `concurrency` sequences of `context` tokens need
+    activation_bytes: int
+    device_memory: int
+    context: int
+    concurrency: int
+    dtype: torch.dtype
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.kv.total_bytes + self.activation_bytes
+
+    @property
+    def fits(self) -> bool:
+        return self.total_bytes <= self.device_memory
+
+    @property
+    def max_concurrency(self) -> int:
+        """Sequences of `context` tokens the memory left after weights and activations holds."""
+        left = self.device_memory - self.weights_bytes - self.activation_bytes
+        per_seq = blocks_for(self.context, self.kv.block_size) * self.kv.bytes_per_block
+        return max(left, 0) // per_seq
+
+    def format(self) -> str:
+        def row(name: str, size: int, note: str = "") -> str:
+            return f"{name:<12} {size / 2**20:>12.1f} MiB  {note}"
+        kv = self.kv
+        lines = [
+            f"context {self.context} tokens x {self.concurrency} sequences, "
+            f"weights {str(self.dtype).removeprefix('torch.')}, KV {kv.kv_cache_dtype}",
+            row("weights", self.weights_bytes, f"{self.num_parameters / 1e6:.1f}M parameters"),
+            row("kv cache", kv.total_bytes, f"{kv.num_blocks} blocks x {kv.block_size} tokens, "
+                f"{kv.bytes_per_block} B/block"),
+            row("activations", self.activation_bytes, "estimate, one step"),
+            row("total", self.total_bytes),
+            row("device", self.device_memory),
+            f"fits: {'yes' if self.fits else 'NO'}; at this context the memory holds "
+            f"{self.max_concurrency} concurrent sequences",
+        ]
+        return "\n".join(lines)
+
+
+def plan_memory(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype, context: int,
+                concurrency: int, device_memory: int) -> MemoryPlan:
+    """Weights + KV for `concurrency` sequences of `context` tokens + activations."""
+    if context < 1 or concurrency < 1:
+        raise ValueError(f"context and concurrency must be >= 1, got {context}, {concurrency}")
+    cache = config.cache
+    per_block = kv_bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype)
+    num_blocks = blocks_for(context, cache.block_size) * concurrency
+    kv = KVPlan(num_blocks, cache.block_size, per_block, context, cache.kv_cache_dtype)
+    params = num_parameters(arch)
+    acts = activation_bytes(arch, dtype, context, concurrency,
+                            config.scheduler.max_num_batched_tokens, cache.block_size)
+    return MemoryPlan(params, params * dtype.itemsize, kv, acts, device_memory, context,
+                      concurrency, dtype)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
+from tokenmill.kv import KVCache
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.model.arch import ArchConfig
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         return slice(start, start + size)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend
+                kv_cache: KVCache, metadata: AttentionMetadata, backend: AttentionBackend
                 ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
@@ -90,7 +91,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                kv_cache: torch.Tensor, metadata: AttentionMetadata, backend: AttentionBackend
+                kv_cache: KVCache, metadata: AttentionMetadata, backend: AttentionBackend
                 ) -> torch.Tensor:
         hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache,
                                          metadata, backend)
@@ -128,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self.model.rotary.build_cache()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
+                kv_caches: list[KVCache], metadata: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [T, hidden] for a flattened batch of T tokens."""
         hidden = self.model.embed_tokens(input_ids)

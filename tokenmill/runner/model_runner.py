@@ -16,6 +16,8 @@ from tokenmill.attention.base import AttentionBackend, AttentionMetadata, Prefil
 from tokenmill.attention.paged import PagedAttention
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.kv import KVCache
+from tokenmill.kv.quant import storage_dtype
 from tokenmill.layers.sampler import build_sampling_batch, sample, token_logprobs
 from tokenmill.model.arch import ArchConfig
 from tokenmill.outputs import TokenLogprob
@@ -33,16 +35,16 @@ class StepResult:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ArchConfig, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype, seed: int = 0,
-                 backend: AttentionBackend | None = None) -> None:
+                 backend: AttentionBackend | None = None, kv_cache_dtype: str = "auto"
+                 ) -> None:
         self.model = model
         self.arch = arch
         self.block_size = block_size
         self.device = device
         self.backend = backend or PagedAttention()
-        shape = (2, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
-        # Zero-filled once: padded decode rows read unwritten slots (masked, but a NaN
-        # there would still poison the weighted sum).
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+        storage = storage_dtype(kv_cache_dtype, dtype)
+        self.kv_caches = [KVCache.allocate(num_blocks, block_size, arch.num_kv_heads,
+                                           arch.head_dim, storage, dtype, device)
                           for _ in range(arch.num_layers)]
         self.generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
