@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.test_invariance import GREEDY, PROMPTS, make_engine, run_alone, run_all
+from tests.test_invariance import GREEDY, PROMPTS, make_engine, run_all, run_alone
 
 pytestmark = pytest.mark.parametrize("kv_dtype", ["int8", "fp8"])
 

@@ -149,7 +149,7 @@ class MemoryPlan:
 
     def format(self) -> str:
         def row(name: str, size: int, note: str = "") -> str:
-            return f"{name:<12} {size / 2**20:>12.1f} MiB  {note}"
+            return f"{name:<12} {size / 2**20:>12.1f} MiB  {note}".rstrip()
         kv = self.kv
         lines = [
             f"context {self.context} tokens x {self.concurrency} sequences, "

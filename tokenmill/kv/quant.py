@@ -22,6 +22,7 @@ QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 SCALE_DTYPE = torch.float32
 # Keeps an all-zero row finite: its scale becomes tiny rather than 0 (0/0 = NaN).
 _MIN_SCALE = 1e-12
+_SATURATE = 2.0**126
 
 
 def storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -37,9 +38,9 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
     """x [..., D] -> (codes [..., D] in dtype, scales [...] float32), one scale per row."""
     qmax = QMAX[dtype]
     x32 = x.float()
-    # nan_to_num: an overflowed activation (inf) saturates instead of poisoning the row.
-    x32 = torch.nan_to_num(x32, nan=0.0, posinf=torch.finfo(torch.float32).max,
-                           neginf=-torch.finfo(torch.float32).max)
+    # An overflowed activation (inf, or near float32's maximum) saturates at a value
+    # whose dequantisation codes * scale cannot round up to inf again.
+    x32 = torch.nan_to_num(x32, nan=0.0).clamp(-_SATURATE, _SATURATE)
     scale = (x32.abs().amax(dim=-1) / qmax).clamp_min(_MIN_SCALE)
     scaled = (x32 / scale.unsqueeze(-1)).clamp(-qmax, qmax)
     if dtype == torch.int8:
