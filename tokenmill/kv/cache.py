@@ -64,9 +64,15 @@ class KVCache:
         A quantized cache gathers the 1-byte codes and their scales (a quarter of the
         fp32 bytes moved) and dequantises only what was gathered.
         """
-        keys, values = self.data[0][block_table], self.data[1][block_table]
+        # index_select on the block dimension copies whole blocks (contiguous rows);
+        # advanced indexing with a 2-D table measured ~2x slower here.
+        flat_table = block_table.reshape(-1)
+        keys = self.data[0].index_select(0, flat_table)
+        values = self.data[1].index_select(0, flat_table)
         if self.scales is not None:
-            keys = dequantize(keys, self.scales[0][block_table], self.compute_dtype)
-            values = dequantize(values, self.scales[1][block_table], self.compute_dtype)
+            keys = dequantize(keys, self.scales[0].index_select(0, flat_table),
+                              self.compute_dtype)
+            values = dequantize(values, self.scales[1].index_select(0, flat_table),
+                                self.compute_dtype)
         out_shape = (*block_table.shape[:-1], -1, *self.data.shape[3:])
         return keys.reshape(out_shape), values.reshape(out_shape)

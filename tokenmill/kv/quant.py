@@ -50,4 +50,6 @@ def quantize(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.T
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes [..., D], scales [...] -> values [..., D] in dtype."""
-    return codes.to(dtype) * scale.unsqueeze(-1).to(dtype)
+    # In place after the cast: one full-size output, not two (on CPU each fresh
+    # tensor of this size costs page faults comparable to the arithmetic).
+    return codes.to(dtype).mul_(scale.unsqueeze(-1).to(dtype))
