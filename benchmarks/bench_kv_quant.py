@@ -27,6 +27,7 @@ Throughput, one run, interleaved: the same workload (--requests prompts of
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import statistics
 import sys
@@ -257,6 +258,7 @@ def main() -> int:
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    logging.getLogger("tokenmill").setLevel(logging.ERROR)  # one line per preemption otherwise
     model = str(args.model or default_model())
     print(f"model {model}, {args.threads} threads")
 
