@@ -38,8 +38,10 @@ from pathlib import Path
 import torch
 
 from tokenmill import SamplingParams
+from tokenmill.attention.paged import PagedAttention
 from tokenmill.bench.ceilings import CACHE
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.kv import dequantize, quantize
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("auto", "int8", "fp8")
@@ -118,7 +120,7 @@ def greedy(engine: LLMEngine, prompt: list[int], num_tokens: int) -> list[int]:
     return engine.run_to_completion()["gen"].outputs[0].token_ids
 
 
-def quality(model: str, args: argparse.Namespace) -> list[dict]:
+def quality(model: str, args: argparse.Namespace) -> tuple[list[dict], list[list[int]]]:
     engines = {d: LLMEngine.from_kwargs(model, progress=False, kv_cache_dtype=d,
                                         chunk_size=args.chunk_size,
                                         max_num_batched_tokens=args.chunk_size,
@@ -153,7 +155,69 @@ def quality(model: str, args: argparse.Namespace) -> list[dict]:
                      "top1": torch.cat(stats[d]["top1"]).mean().item(),
                      "greedy": statistics.mean(stats[d]["greedy"]),
                      "texts": len(texts), "positions": sum(len(t) - 1 for t in texts)})
-    return rows
+    return rows, texts
+
+
+# ---- key scale granularity (KIVI's question) ---------------------------------------------
+
+class RecordingAttention(PagedAttention):
+    """The reference backend, keeping every layer's post-RoPE K and V it is given."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def forward(self, q, k, v, kv_cache, metadata, scale):
+        self.keys.append(k.double())
+        self.values.append(v.double())
+        return super().forward(q, k, v, kv_cache, metadata, scale)
+
+
+def relative_error(x: torch.Tensor, dtype: torch.dtype, per: str, group: int = 16) -> float:
+    """||x - dequant(quant(x))|| / ||x|| for x [T, KVH, D], scales per token or per channel
+    (one scale per channel per head over each group of `group` tokens, as KIVI)."""
+    if per == "token":
+        codes, scale = quantize(x, dtype)
+        x_hat = dequantize(codes, scale, torch.float64)
+    else:
+        x = x[:x.shape[0] // group * group]
+        grouped = x.reshape(-1, group, *x.shape[1:]).permute(0, 2, 3, 1)  # [G, KVH, D, group]
+        codes, scale = quantize(grouped, dtype)
+        x_hat = dequantize(codes, scale, torch.float64).permute(0, 3, 1, 2).reshape(x.shape)
+    return ((x - x_hat).norm() / x.norm()).item()
+
+
+def scale_granularity(model: str, texts: list[list[int]], threads: int) -> list[dict]:
+    engine = LLMEngine.from_kwargs(model, progress=False, enable_prefix_caching=False,
+                                   num_threads=threads)
+    recorder = RecordingAttention()
+    engine.runner.backend = recorder
+    num_layers = engine.arch.num_layers
+    rows = []
+    for ids in texts:
+        recorder.keys.clear()
+        recorder.values.clear()
+        engine.add_request("text", ids, SamplingParams(temperature=0, max_tokens=1))
+        engine.run_to_completion()
+        for layer in range(num_layers):
+            # Every forward calls the layers in order: layer i's tensors are i::num_layers.
+            keys = torch.cat(recorder.keys[layer::num_layers])
+            values = torch.cat(recorder.values[layer::num_layers])
+            for kind, x in (("K", keys), ("V", values)):
+                for dtype in (torch.int8, torch.float8_e4m3fn):
+                    rows.append({"kind": kind, "dtype": dtype, "layer": layer,
+                                 "token": relative_error(x, dtype, "token"),
+                                 "channel": relative_error(x, dtype, "channel")})
+    summary = []
+    for kind in ("K", "V"):
+        for dtype in (torch.int8, torch.float8_e4m3fn):
+            sel = [r for r in rows if r["kind"] == kind and r["dtype"] == dtype]
+            summary.append({"kind": kind, "dtype": str(dtype).removeprefix("torch."),
+                            "token": statistics.mean(r["token"] for r in sel),
+                            "channel": statistics.mean(r["channel"] for r in sel),
+                            "channel_wins": sum(r["channel"] < r["token"] for r in sel),
+                            "cases": len(sel)})
+    return summary
 
 
 # ---- throughput -------------------------------------------------------------------------------
@@ -262,7 +326,7 @@ def main() -> int:
     model = str(args.model or default_model())
     print(f"model {model}, {args.threads} threads")
 
-    rows = quality(model, args)
+    rows, texts = quality(model, args)
     print(f"\nquality: {rows[0]['texts']} stdlib texts x {args.tokens} tokens "
           f"({rows[0]['positions']} positions), chunk {args.chunk_size}")
     print("| kv cache | perplexity | delta % | mean KL (nats) | top-1 agreement | "
@@ -271,6 +335,16 @@ def main() -> int:
     for r in rows:
         print(f"| {r['kv']} | {r['ppl']:.4f} | {r['ppl_delta_pct']:+.3f} | {r['kl']:.2e} | "
               f"{100 * r['top1']:.2f}% | {100 * r['greedy']:.1f}% |")
+
+    granularity = scale_granularity(model, texts, args.threads)
+    print("\nscale granularity: relative error ||x - x_hat|| / ||x|| of post-RoPE K and V, "
+          "mean over layers and texts")
+    print("| tensor | codes | per token per head | per channel per 16-token group (KIVI) | "
+          "per-channel better in |")
+    print("| --- | --- | --- | --- | --- |")
+    for r in granularity:
+        print(f"| {r['kind']} | {r['dtype']} | {r['token']:.2e} | {r['channel']:.2e} | "
+              f"{r['channel_wins']}/{r['cases']} |")
 
     cost = gather_cost(args)
     print("\ngather of a decode batch (16 seqs x 1024 tokens, 2 KV heads x 64), one layer:")
