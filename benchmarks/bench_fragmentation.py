@@ -265,6 +265,7 @@ class Trace:
     held: list[int] = field(default_factory=list)
     live: list[int] = field(default_factory=list)
     running: list[int] = field(default_factory=list)
+    waiting: list[int] = field(default_factory=list)
     waited: int = 0
     refused: int = 0
     preemptions: int = 0
@@ -322,6 +323,7 @@ def replay(store, workload: list[SimRequest], max_seqs: int, bytes_per_token: in
         trace.held.append(store.held_bytes())
         trace.live.append(sum(r.num_computed_tokens for r in running) * bytes_per_token)
         trace.running.append(len(running))
+        trace.waiting.append(len(waiting))
         step += 1
     trace.steps = step
     return trace
@@ -332,7 +334,11 @@ def summarize(store, trace: Trace) -> dict:
         return sum(values) / max(len(values), 1)
 
     live, held, reserved = mean(trace.live), mean(trace.held), mean(trace.reserved)
+    # While requests wait, memory not holding live tokens is what fragmentation costs.
+    busy = [i for i, w in enumerate(trace.waiting) if w]
+    busy_share = mean([trace.live[i] for i in busy]) / mean([trace.reserved[i] for i in busy])
     return {
+        "busy_share": busy_share, "busy_steps": len(busy),
         "store": store.name, "reserved": reserved, "held": held, "live": live,
         "live_share": live / reserved, "internal": 1 - live / held,
         "not_held": 1 - held / reserved, "failures": len(store.free_at_failure),
@@ -389,6 +395,7 @@ def main() -> None:
     print(f"{args.requests} requests, context {args.context}, max {args.max_seqs} running, "
           f"budget {args.budget_gib} GiB, {bytes_per_token} B/token, block {args.block_size}")
     columns = ["store", "reserved GiB", "held GiB", "live GiB", "live/reserved %",
+               "live/reserved % while requests wait",
                "internal waste % (held-live)/held", "reserved not held %",
                "failed allocations", "free MiB at a failure", "peak reserved GiB",
                "mean running", "waited", "refused", "preemptions", "steps"]
@@ -396,7 +403,8 @@ def main() -> None:
     print("|" + " --- |" * len(columns))
     for r in rows:
         print(f"| {r['store']} | {r['reserved'] / GIB:.3f} | {r['held'] / GIB:.3f} | "
-              f"{r['live'] / GIB:.3f} | {100 * r['live_share']:.1f} | {100 * r['internal']:.1f} | "
+              f"{r['live'] / GIB:.3f} | {100 * r['live_share']:.1f} | "
+              f"{100 * r['busy_share']:.1f} ({r['busy_steps']} steps) | {100 * r['internal']:.1f} | "
               f"{100 * r['not_held']:.1f} | {r['failures']} | {r['free_at_failure'] / MIB:.1f} | "
               f"{r['peak'] / GIB:.3f} | {r['running']:.1f} | {r['waited']} | {r['refused']} | "
               f"{r['preemptions']} | {r['steps']} |")
