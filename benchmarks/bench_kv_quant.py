@@ -1,7 +1,7 @@
 """Quantized KV cache (int8, fp8 e4m3) vs full precision: quality and throughput.
 
-Quality, teacher-forced through the engine on held-out text (stdlib .py files,
-tokenized, truncated to --tokens): each text is one request with prompt logprobs,
+Quality, teacher-forced through the engine on held-out text (--texts stdlib .py
+files outside pycoder's training split, tokenized, truncated to --tokens): each text is one request with prompt logprobs,
 prefilled in chunks of --chunk-size tokens, so every chunk after the first reads
 its context (and itself) back from the quantized cache. The logits of every prompt
 position are recorded; per KV dtype the script reports
@@ -27,6 +27,7 @@ Throughput, one run, interleaved: the same workload (--requests prompts of
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import random
 import statistics
@@ -45,7 +46,6 @@ from tokenmill.kv import dequantize, quantize
 
 ROOT = Path(__file__).resolve().parent.parent
 DTYPES = ("auto", "int8", "fp8")
-TEXTS = ("textwrap.py", "heapq.py", "bisect.py", "shlex.py", "fnmatch.py", "json/decoder.py")
 
 
 def default_model() -> Path:
@@ -91,13 +91,23 @@ class LogitsRecorder:
         return out
 
 
-def held_out_texts(engine: LLMEngine, num_tokens: int) -> list[list[int]]:
+def held_out_texts(engine: LLMEngine, num_tokens: int, num_texts: int) -> list[list[int]]:
+    """Stdlib files pycoder never trained on: its corpus holds out a file when the
+    SHA-256 of its path relative to the stdlib falls in bucket 0 of 20."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = []
-    for name in TEXTS:
-        ids = engine.encode((stdlib / name).read_text())[:num_tokens]
+    for path in sorted(stdlib.rglob("*.py")):
+        relpath = path.relative_to(stdlib).as_posix()
+        if {"site-packages", "test", "tests", "idle_test"} & set(relpath.split("/")[:-1]):
+            continue
+        digest = hashlib.sha256(relpath.encode()).digest()
+        if int.from_bytes(digest[:8], "big") % 20:
+            continue
+        ids = engine.encode(path.read_text(errors="replace"))[:num_tokens]
         if len(ids) == num_tokens:
             texts.append(ids)
+        if len(texts) == num_texts:
+            break
     return texts
 
 
@@ -128,7 +138,7 @@ def quality(model: str, args: argparse.Namespace) -> tuple[list[dict], list[list
                                         num_threads=args.threads)
                for d in DTYPES}
     recorders = {d: LogitsRecorder(e.runner.model) for d, e in engines.items()}
-    texts = held_out_texts(engines["auto"], args.tokens)
+    texts = held_out_texts(engines["auto"], args.tokens, args.texts)
     stats = {d: {"nll": [], "kl": [], "top1": [], "greedy": []} for d in DTYPES}
     for ids in texts:
         logits = {d: teacher_forced_logits(engines[d], recorders[d], ids) for d in DTYPES}
@@ -309,6 +319,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--texts", type=int, default=8, help="held-out stdlib files")
     parser.add_argument("--tokens", type=int, default=512, help="tokens per held-out text")
     parser.add_argument("--chunk-size", type=int, default=64)
     parser.add_argument("--gen-prompt", type=int, default=64)
