@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
+from tokenmill.layers.linear import Linear, wide
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.model.arch import ArchConfig
@@ -30,15 +31,17 @@ STACKED_PARAMS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, transpose_wide: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = Linear(arch.hidden_size, qkv_out, arch.qkv_bias,
+                               wide(arch.hidden_size, qkv_out, transpose_wide))
+        self.o_proj = Linear(self.q_size, arch.hidden_size, arch.o_proj_bias,
+                             wide(self.q_size, arch.hidden_size, transpose_wide))
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -66,11 +69,14 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 transpose_wide: bool) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias,
+                                   wide(hidden_size, 2 * intermediate_size, transpose_wide))
+        self.down_proj = Linear(intermediate_size, hidden_size, bias,
+                                wide(intermediate_size, hidden_size, transpose_wide))
 
     def shard_slice(self, shard: str) -> slice:
         size = self.intermediate_size
@@ -82,10 +88,11 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, transpose_wide: bool) -> None:
         super().__init__()
-        self.self_attn = Attention(arch)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
+        self.self_attn = Attention(arch, transpose_wide)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias,
+                            transpose_wide)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -98,40 +105,48 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
+    def __init__(self, arch: ArchConfig, max_positions: int, transpose_wide: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # A tied embedding lives in the LM head (see LlamaForCausalLM.embed).
+        self.embed_tokens = (None if arch.tie_word_embeddings
+                             else nn.Embedding(arch.vocab_size, arch.hidden_size))
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, transpose_wide)
+                                    for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama, Mistral, Qwen2 and Qwen3 checkpoints."""
+    """Llama, Mistral, Qwen2 and Qwen3 checkpoints.
 
-    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
+    transpose_wide: store wide projections [in, out] (faster one-row products on CPU,
+    see layers/linear.py); numerics are unchanged.
+    """
+
+    def __init__(self, arch: ArchConfig, max_positions: int, transpose_wide: bool = False
+                 ) -> None:
         super().__init__()
         if arch.hidden_act != "silu":
             raise ValueError(f"hidden_act {arch.hidden_act!r} is not supported (only 'silu')")
         self.arch = arch
-        self.model = LlamaModel(arch, max_positions)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.tie_weights()
-
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head (again after moving devices, which unties)."""
-        if self.arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.model = LlamaModel(arch, max_positions, transpose_wide)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False,
+                              wide(arch.hidden_size, arch.vocab_size, transpose_wide))
 
     def post_load(self) -> None:
         """Build non-persistent tables once the module sits on its device."""
         self.model.rotary.build_cache()
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.model.embed_tokens is None:
+            return self.lm_head.embedding(input_ids)
+        return self.model.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], metadata: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [T, hidden] for a flattened batch of T tokens."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         rope = self.model.rotary(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(rope, hidden, kv_cache, metadata, backend)
@@ -141,23 +156,31 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the (fused) parameters; returns the names loaded."""
-        params = dict(self.named_parameters())
+        """Copy checkpoint tensors into the (fused, possibly transposed) parameters.
+
+        Returns what was filled, as "parameter" or "parameter[rows]" names, so the
+        loader can check completeness against expected_weights().
+        """
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
-            if self.arch.tie_word_embeddings and name == "lm_head.weight":
-                continue
+            if self.arch.tie_word_embeddings:
+                if name == "lm_head.weight":
+                    continue  # the same tensor as the embedding
+                if name == "model.embed_tokens.weight":
+                    name = "lm_head.weight"
             target, rows = self._locate(name)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
-            dest = param.data if rows is None else param.data[rows]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            module_name, _, param_name = target.rpartition(".")
+            try:
+                module = self.get_submodule(module_name)
+                if isinstance(module, Linear):
+                    module.load(param_name, tensor, rows)
+                else:
+                    getattr(module, param_name).data.copy_(tensor)
+            except (AttributeError, ValueError, RuntimeError) as exc:
+                raise ValueError(f"checkpoint tensor {name!r} "
+                                 f"({tuple(tensor.shape)}) does not fit the model: {exc}") from None
             loaded.add(f"{target}[{rows.start}:{rows.stop}]" if rows is not None else target)
         return loaded
 
@@ -176,13 +199,13 @@ class LlamaForCausalLM(nn.Module):
         for name, _ in self.named_parameters():
             module = self.get_submodule(name.rsplit(".", 2)[0]) if "." in name else self
             if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                for shard in "qkv":
-                    rows = module.shard_slice(shard)
-                    expected.add(f"{name}[{rows.start}:{rows.stop}]")
+                shards = "qkv"
             elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-                for shard in ("gate", "up"):
-                    rows = module.shard_slice(shard)
-                    expected.add(f"{name}[{rows.start}:{rows.stop}]")
+                shards = ("gate", "up")
             else:
                 expected.add(name)
+                continue
+            for shard in shards:
+                rows = module.shard_slice(shard)
+                expected.add(f"{name}[{rows.start}:{rows.stop}]")
         return expected
