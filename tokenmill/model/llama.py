@@ -8,7 +8,7 @@ fused weights through `STACKED_PARAMS`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -88,11 +88,10 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, transpose_wide: bool) -> None:
+    def __init__(self, arch: ArchConfig, transpose_wide: bool, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = Attention(arch, transpose_wide)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias,
-                            transpose_wide)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -105,13 +104,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, max_positions: int, transpose_wide: bool) -> None:
+    def __init__(self, arch: ArchConfig, max_positions: int, transpose_wide: bool,
+                 build_mlp: Callable[[], nn.Module]) -> None:
         super().__init__()
         # A tied embedding lives in the LM head (see LlamaForCausalLM.embed).
         self.embed_tokens = (None if arch.tie_word_embeddings
                              else nn.Embedding(arch.vocab_size, arch.hidden_size))
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
-        self.layers = nn.ModuleList(DecoderLayer(arch, transpose_wide)
+        self.layers = nn.ModuleList(DecoderLayer(arch, transpose_wide, build_mlp())
                                     for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -129,9 +129,14 @@ class LlamaForCausalLM(nn.Module):
         if arch.hidden_act != "silu":
             raise ValueError(f"hidden_act {arch.hidden_act!r} is not supported (only 'silu')")
         self.arch = arch
-        self.model = LlamaModel(arch, max_positions, transpose_wide)
+        self.model = LlamaModel(arch, max_positions, transpose_wide,
+                                lambda: self.build_mlp(arch, transpose_wide))
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False,
                               wide(arch.hidden_size, arch.vocab_size, transpose_wide))
+
+    @staticmethod
+    def build_mlp(arch: ArchConfig, transpose_wide: bool) -> nn.Module:
+        return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, transpose_wide)
 
     def post_load(self) -> None:
         """Build non-persistent tables once the module sits on its device."""
@@ -171,9 +176,13 @@ class LlamaForCausalLM(nn.Module):
                 if name == "model.embed_tokens.weight":
                     name = "lm_head.weight"
             target, rows = self._locate(name)
-            module_name, _, param_name = target.rpartition(".")
             try:
+                module_name, param_name = self._split_owner(target)
                 module = self.get_submodule(module_name)
+                if hasattr(module, "load_checkpoint_tensor"):
+                    # Modules with their own checkpoint layout (MoE experts).
+                    loaded.add(module.load_checkpoint_tensor(module_name, param_name, tensor))
+                    continue
                 if isinstance(module, Linear):
                     module.load(param_name, tensor, rows)
                 else:
@@ -186,6 +195,7 @@ class LlamaForCausalLM(nn.Module):
 
     def _locate(self, name: str) -> tuple[str, slice | None]:
         """Map a checkpoint name to (parameter name, rows of a fused parameter)."""
+        name = self.rename_checkpoint_tensor(name)
         for ckpt_part, (fused, shard) in STACKED_PARAMS.items():
             if f".{ckpt_part}." in name:
                 target = name.replace(ckpt_part, fused)
@@ -193,11 +203,32 @@ class LlamaForCausalLM(nn.Module):
                 return target, owner.shard_slice(shard)
         return name, None
 
+    def _split_owner(self, target: str) -> tuple[str, str]:
+        """(deepest existing module, the rest of the name) for a parameter path."""
+        parts = target.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:cut])
+            try:
+                self.get_submodule(prefix)
+            except AttributeError:
+                continue
+            return prefix, ".".join(parts[cut:])
+        raise AttributeError(f"no module owns {target!r}")
+
+    @staticmethod
+    def rename_checkpoint_tensor(name: str) -> str:
+        """Hook for families whose checkpoint names differ from the module tree."""
+        return name
+
     def expected_weights(self) -> set[str]:
         """What load_weights must have filled for the model to be complete."""
         expected: set[str] = set()
         for name, _ in self.named_parameters():
             module = self.get_submodule(name.rsplit(".", 2)[0]) if "." in name else self
+            owner = self.get_submodule(name.rpartition(".")[0])
+            if hasattr(owner, "expected_checkpoint_tensors"):
+                expected |= owner.expected_checkpoint_tensors(name.rpartition(".")[0])
+                continue
             if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
                 shards = "qkv"
             elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
