@@ -1,6 +1,7 @@
 """Where the time went: model compute vs host overhead vs idle, from traced steps.
 
-The wall time from the first step's start to the last step's end is split exactly:
+The wall time from the first step's start to the last step's end (less any
+torch.profiler export pauses) is split exactly:
 compute (forward, logits) + host overhead (schedule, input preparation, sampling,
 output) + idle (gaps between steps). The three shares add up to 100%.
 """
@@ -49,7 +50,9 @@ def summarize_steps(steps: Sequence[StepRecord]) -> TimeSummary:
             phase_s[name] = phase_s.get(name, 0.0) + (end - start)
     # Step starts and ends are phase boundaries, so the wall time splits exactly into
     # the phase sums and the gaps between steps.
-    idle = sum(max(0.0, b.start - a.end) for a, b in zip(steps, steps[1:], strict=False))
+    # (Time spent exporting a torch.profiler trace is neither: it is left out.)
+    idle = sum(max(0.0, b.start - a.end - a.pause_after)
+               for a, b in zip(steps, steps[1:], strict=False))
     phase_s["idle"] = idle
     compute = sum(s for name, s in phase_s.items() if name in COMPUTE_PHASES)
     host = sum(s for name, s in phase_s.items() if name not in COMPUTE_PHASES and name != "idle")

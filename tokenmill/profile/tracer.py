@@ -41,6 +41,8 @@ class StepRecord:
     decode_tokens: int = 0
     num_running: int = 0
     num_waiting: int = 0
+    # Seconds after the step spent stopping/exporting torch.profiler: not idle time.
+    pause_after: float = 0.0
 
 
 class StepTracer:
@@ -116,6 +118,7 @@ class StepTracer:
             self._torch_profiler.step()
             if len(self.steps) >= self.torch_profile_steps:
                 self._stop_torch_profiler()
+                step.pause_after = self.clock() - step.end
 
     # ---- torch.profiler --------------------------------------------------------------------
     def _start_torch_profiler(self) -> None:
@@ -150,7 +153,11 @@ class StepTracer:
             if previous_end is not None and step.start > previous_end:
                 events.append({"name": "idle", "cat": "idle", "ph": "X", "pid": 1, "tid": 1,
                                "ts": us(previous_end), "dur": us(step.start) - us(previous_end)})
-            previous_end = step.end
+            previous_end = step.end + step.pause_after
+            if step.pause_after:
+                events.append({"name": "torch.profiler export", "cat": "profiler", "ph": "X",
+                               "pid": 1, "tid": 1, "ts": us(step.end),
+                               "dur": us(previous_end) - us(step.end)})
             args = {"step": step.index, "prefill_tokens": step.prefill_tokens,
                     "decode_tokens": step.decode_tokens, "running": step.num_running,
                     "waiting": step.num_waiting}
