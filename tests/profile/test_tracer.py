@@ -35,7 +35,7 @@ def test_every_step_has_each_phase_once_in_order(traced):
         assert names.count("logits") <= 1
         # phases tile the step: contiguous from its start to its end
         assert step.phases[0][1] == step.start and step.phases[-1][2] == step.end
-        for (_, _, end), (_, start, _) in zip(step.phases, step.phases[1:]):
+        for (_, _, end), (_, start, _) in zip(step.phases, step.phases[1:], strict=False):
             assert end == start
 
 

@@ -113,6 +113,9 @@ class SLO:
         return self.tpot_s is None or record.tpot <= self.tpot_s
 
 
+NO_SLO = SLO()
+
+
 @dataclass(frozen=True)
 class RunSummary:
     num_requests: int
@@ -136,7 +139,7 @@ class RunSummary:
         return asdict(self)
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO = SLO()
+def summarize(records: Sequence[RequestRecord], duration_s: float, slo: SLO = NO_SLO
               ) -> RunSummary:
     """Aggregate a run; throughputs count completed requests over the run's wall time."""
     if duration_s <= 0:

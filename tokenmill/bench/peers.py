@@ -44,10 +44,12 @@ class Peer(ABC):
 
     def prepare(self, model_dir: str, max_concurrency: int, threads: int,
                 max_model_len: int) -> None:
-        """Load the model / start the server once, before several runs."""
+        """Load the model / start the server once, before several runs (default: nothing)."""
+        return None
 
     def close(self) -> None:
-        """Stop whatever prepare() started."""
+        """Stop whatever prepare() started (default: nothing)."""
+        return None
 
     @abstractmethod
     def run(self, model_dir: str, workload: Sequence[WorkloadRequest],

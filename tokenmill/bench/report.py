@@ -117,8 +117,8 @@ def plot_results(results: Sequence[SystemResult], out_dir: Path) -> list[Path]:
     numeric = sorted({c for c in levels if c is not None})
     positions = {c: i for i, c in enumerate(numeric + ([None] if None in levels else []))}
     for system in systems:
-        points = sorted(((positions[r.concurrency], r.output_throughput) for r in results
-                         if r.system == system))
+        points = sorted((positions[r.concurrency], r.output_throughput) for r in results
+                         if r.system == system)
         ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=system)
     ax.set_xticks(list(positions.values()), [_label(c) for c in positions])
     ax.set_xlabel("concurrency (requests in flight)")

@@ -26,7 +26,14 @@ from pathlib import Path
 import httpx
 from tqdm.auto import tqdm
 
-from tokenmill.bench.metrics import SLO, RequestRecord, RunSummary, format_summary, summarize
+from tokenmill.bench.metrics import (
+    NO_SLO,
+    SLO,
+    RequestRecord,
+    RunSummary,
+    format_summary,
+    summarize,
+)
 from tokenmill.bench.workload import WorkloadRequest
 
 
@@ -129,7 +136,7 @@ def _consume_event(line: str, record: RequestRecord, now: float) -> None:
 
 
 async def run_load(config: LoadConfig, workload: Sequence[WorkloadRequest],
-                   slo: SLO = SLO(), progress: bool = True) -> LoadResult:
+                   slo: SLO = NO_SLO, progress: bool = True) -> LoadResult:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     timeout = httpx.Timeout(config.timeout_s, connect=30.0)
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:

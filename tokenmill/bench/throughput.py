@@ -17,7 +17,7 @@ import torch
 
 from tokenmill.bench.ceilings import Ceilings, machine_ceilings
 from tokenmill.bench.driver import EngineRun, run_engine_workload, warm_up
-from tokenmill.bench.metrics import SLO, RunSummary, format_summary, summarize
+from tokenmill.bench.metrics import NO_SLO, SLO, RunSummary, format_summary, summarize
 from tokenmill.bench.roofline import ModelCost, Roofline, format_roofline, run_roofline
 from tokenmill.bench.workload import WorkloadRequest
 from tokenmill.engine.engine import LLMEngine
@@ -42,7 +42,7 @@ def engine_cost(engine: LLMEngine) -> ModelCost:
 
 def measure_throughput(engine: LLMEngine, workload: list[WorkloadRequest],
                        ceilings: Ceilings | None, max_concurrency: int | None = None,
-                       slo: SLO = SLO(), progress: bool = True, desc: str = "throughput"
+                       slo: SLO = NO_SLO, progress: bool = True, desc: str = "throughput"
                        ) -> ThroughputResult:
     run = run_engine_workload(engine, workload, max_concurrency, progress, desc)
     summary = summarize(run.records, run.duration_s, slo)
