@@ -13,10 +13,12 @@ of them alike. The first config is the baseline of every ratio in the report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,18 +80,23 @@ def build_configs(base: dict[str, Any], specs: list[str]) -> list[tuple[str, Eng
 
 
 def run_compare(engines: list[tuple[str, LLMEngine]], peers: list, model_dir: str,
-                workload: list[WorkloadRequest], levels: list[int | None], repeats: int,
-                progress: bool = True) -> list[SystemResult]:
+                workload_for: Callable[[int], list[WorkloadRequest]],
+                levels: list[int | None], repeats: int, progress: bool = True
+                ) -> list[SystemResult]:
+    """workload_for(round) gives the requests of one round (one repetition at one level);
+    every system runs the same requests in a round."""
     threads = torch.get_num_threads()
     results = {(name, level): SystemResult(name, level)
                for name in [n for n, _ in engines] + [p.name for p in peers] for level in levels}
-    top = max((lv or len(workload)) for lv in levels)
-    max_len = max(r.prompt_len + r.max_tokens for r in workload) + 8
+    rounds = [workload_for(i) for i in range(len(levels) * repeats)]
+    top = max((lv or max(len(w) for w in rounds)) for lv in levels)
+    max_len = max(r.prompt_len + r.max_tokens for w in rounds for r in w) + 8
     for peer in peers:
         peer.prepare(model_dir, top, threads, max_len)
     try:
-        for level in levels:
+        for level_index, level in enumerate(levels):
             for rep in range(repeats):
+                workload = rounds[level_index * repeats + rep]
                 for name, engine in engines:
                     run = run_engine_workload(engine, workload, level, progress,
                                               desc=f"{name} c={level or 'all'} rep {rep + 1}",
@@ -141,15 +148,23 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         warm_up(engine)
         engines.append((name, engine))
     first = engines[0][1]
-    workload = build_workload(spec, first.arch.vocab_size, first.tokenizer, first.eos_token_ids)
-    results = run_compare(engines, peers, base.model.model, workload, levels, args.repeats)
+
+    def workload_for(round_index: int) -> list[WorkloadRequest]:
+        # Synthetic prompts are redrawn each round, so no system (and no peer's own
+        # prompt cache) reuses an earlier round's KV; file and code prompts repeat.
+        seed = spec.seed + round_index if spec.source == "synthetic" else spec.seed
+        return build_workload(dataclasses.replace(spec, seed=seed), first.arch.vocab_size,
+                              first.tokenizer, first.eos_token_ids)
+
+    results = run_compare(engines, peers, base.model.model, workload_for, levels, args.repeats)
     skipped = [f"{n} (not installed)" for n in peer_names if n not in {p.name for p in peers}]
     header = {"command": " ".join(sys.argv), "date": datetime.datetime.now(
         datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
         "model": base.model.model,
         "workload": f"{spec.source}, {spec.num_requests} requests, input {spec.input_len}, "
-                    f"output {spec.output_len}, {spec.length_dist} lengths, seed {spec.seed}",
+                    f"output {spec.output_len}, {spec.length_dist} lengths, seed {spec.seed} "
+                    "(+ round number for synthetic prompts)",
         "configs": "; ".join(args.configs), "repeats": str(args.repeats)}
     report = write_report(results, args.out_dir, configs[0][0], header, skipped)
     print(report.read_text())

@@ -33,10 +33,17 @@ def benchmark_params(max_tokens: int) -> SamplingParams:
 
 def run_engine_workload(engine: LLMEngine, workload: Sequence[WorkloadRequest],
                         max_concurrency: int | None = None, progress: bool = True,
-                        desc: str = "requests", id_prefix: str = "bench") -> EngineRun:
-    """All requests arrive at t=0 (or as slots free up under max_concurrency)."""
+                        desc: str = "requests", id_prefix: str = "bench",
+                        cold_prefix_cache: bool = True) -> EngineRun:
+    """All requests arrive at t=0 (or as slots free up under max_concurrency).
+
+    cold_prefix_cache: evict cached blocks first, so a repeated run does not reuse the
+    KV of an earlier one (prompts repeated within the run still hit).
+    """
     if engine.has_unfinished_requests():
         raise RuntimeError("the engine already has requests in flight")
+    if cold_prefix_cache:
+        engine.kv_manager.reset_prefix_cache()
     limit = max_concurrency or len(workload)
     records: dict[str, RequestRecord] = {}
     seen_tokens: dict[str, int] = {}
