@@ -122,3 +122,31 @@ def test_transformers_peer_times_every_token_of_every_request(llama_dir):
     # the second batch waited for the first: its TTFT includes that queueing
     assert run.records[2].ttft > run.records[0].ttft
     assert all(r.success and r.e2e >= r.ttft for r in run.records)
+
+
+def test_a_peer_that_fails_to_start_is_skipped_not_fatal(llama_dir):
+    from tokenmill.bench.compare import run_compare
+    from tokenmill.bench.peers import Peer
+    from tokenmill.bench.workload import WorkloadSpec, build_workload
+    from tokenmill.engine.engine import LLMEngine
+
+    class BrokenPeer(Peer):
+        name = "broken"
+
+        def detect(self):
+            return "broken"
+
+        def prepare(self, *args):
+            raise RuntimeError("cannot start")
+
+        def run(self, *args, **kwargs):
+            raise AssertionError("never run")
+
+    engine = LLMEngine.from_kwargs(str(llama_dir), progress=False, num_threads=1)
+    skipped: list[str] = []
+    results = run_compare([("base", engine)], [BrokenPeer()], str(llama_dir),
+                          lambda i: build_workload(WorkloadSpec(num_requests=2, input_len=4,
+                                                                output_len=2, seed=i), 384),
+                          [None], 1, progress=False, skipped=skipped)
+    assert [r.system for r in results] == ["base"]
+    assert skipped == ["broken (failed to start: cannot start)"]

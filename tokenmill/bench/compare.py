@@ -81,18 +81,28 @@ def build_configs(base: dict[str, Any], specs: list[str]) -> list[tuple[str, Eng
 
 def run_compare(engines: list[tuple[str, LLMEngine]], peers: list, model_dir: str,
                 workload_for: Callable[[int], list[WorkloadRequest]],
-                levels: list[int | None], repeats: int, progress: bool = True
-                ) -> list[SystemResult]:
+                levels: list[int | None], repeats: int, progress: bool = True,
+                skipped: list[str] | None = None) -> list[SystemResult]:
     """workload_for(round) gives the requests of one round (one repetition at one level);
-    every system runs the same requests in a round."""
+    every system runs the same requests in a round. A peer that fails to start is
+    skipped (noted in `skipped`), not fatal."""
     threads = torch.get_num_threads()
-    results = {(name, level): SystemResult(name, level)
-               for name in [n for n, _ in engines] + [p.name for p in peers] for level in levels}
     rounds = [workload_for(i) for i in range(len(levels) * repeats)]
     top = max((lv or max(len(w) for w in rounds)) for lv in levels)
     max_len = max(r.prompt_len + r.max_tokens for w in rounds for r in w) + 8
+    started = []
     for peer in peers:
-        peer.prepare(model_dir, top, threads, max_len)
+        try:
+            peer.prepare(model_dir, top, threads, max_len)
+            started.append(peer)
+        except Exception as exc:  # noqa: BLE001 - a broken peer must not sink the run
+            note = f"{peer.name} (failed to start: {exc})"
+            print(f"skipping {note}", file=sys.stderr)
+            if skipped is not None:
+                skipped.append(note)
+    peers = started
+    results = {(name, level): SystemResult(name, level)
+               for name in [n for n, _ in engines] + [p.name for p in peers] for level in levels}
     try:
         for level_index, level in enumerate(levels):
             for rep in range(repeats):
@@ -156,8 +166,9 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         return build_workload(dataclasses.replace(spec, seed=seed), first.arch.vocab_size,
                               first.tokenizer, first.eos_token_ids)
 
-    results = run_compare(engines, peers, base.model.model, workload_for, levels, args.repeats)
     skipped = [f"{n} (not installed)" for n in peer_names if n not in {p.name for p in peers}]
+    results = run_compare(engines, peers, base.model.model, workload_for, levels, args.repeats,
+                          skipped=skipped)
     header = {"command": " ".join(sys.argv), "date": datetime.datetime.now(
         datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
