@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import random
 import sys
@@ -240,7 +241,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     special = frozenset(tokenizer.all_special_ids) if tokenizer is not None else frozenset()
-    spec = spec.__class__(**{**asdict(spec), "num_requests": spec.num_requests + args.warmup})
+    # The warm-up requests come first, on top of the counted ones.
+    spec = dataclasses.replace(spec, num_requests=spec.num_requests + args.warmup)
     workload = build_workload(spec, vocab, tokenizer, special)
     result = asyncio.run(run_load(config, workload, SLO(args.slo_ttft, args.slo_tpot)))
     print(format_summary(result.summary, f"{args.base_url}"))
