@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -150,3 +151,37 @@ def test_a_peer_that_fails_to_start_is_skipped_not_fatal(llama_dir):
                           [None], 1, progress=False, skipped=skipped)
     assert [r.system for r in results] == ["base"]
     assert skipped == ["broken (failed to start: cannot start)"]
+
+
+def test_server_peer_starts_loads_and_stops_its_server(llama_dir, tmp_path, monkeypatch):
+    """The HTTP peer machinery, with tokenmill's own server standing in for a peer."""
+    import os
+    import sys
+
+    from tokenmill.bench.peers import ServerPeer
+    from tokenmill.bench.workload import WorkloadSpec, build_workload
+
+    monkeypatch.setattr(peers_module, "PEERS_DIR", tmp_path)
+
+    class TokenmillServerPeer(ServerPeer):
+        name = "tokenmill-server"
+        served_name = "stand-in"
+
+        def detect(self):
+            return "here"
+
+        def server_command(self, model_dir, port, max_concurrency, threads, max_model_len):
+            repo = str(Path(__file__).resolve().parents[2])
+            return ([sys.executable, "-m", "tokenmill.server", "--model", model_dir,
+                     "--port", str(port), "--served-model-name", self.served_name,
+                     "--num-threads", str(threads), "--max-num-seqs", str(max_concurrency),
+                     "--log-level", "warning"], {"PYTHONPATH": repo,
+                                                 "PATH": os.environ.get("PATH", "")})
+
+    peer = TokenmillServerPeer()
+    workload = build_workload(WorkloadSpec(num_requests=3, input_len=8, output_len=4), 384,
+                              avoid_token_ids=frozenset({0}))
+    run = peer.run(str(llama_dir), workload, 2, threads=1, progress=False)
+    assert peer._process is None  # started and stopped within run()
+    assert [r.success for r in run.records] == [True] * 3, [r.error for r in run.records]
+    assert [r.output_tokens for r in run.records] == [4, 4, 4]

@@ -139,6 +139,7 @@ class ServerPeer(Peer):
     """A peer driven over HTTP: start its server on 127.0.0.1, load it, stop it."""
 
     start_timeout_s = 120.0
+    served_name: str | None = None  # the model name requests must carry, if any
     _process: subprocess.Popen | None = None
     _log = None
     _url = ""
@@ -188,7 +189,8 @@ class ServerPeer(Peer):
             max_len = max(r.prompt_len + r.max_tokens for r in workload) + 8
             self.prepare(model_dir, concurrency, threads, max_len)
         try:
-            config = LoadConfig(self._url, concurrency=concurrency, num_warmup=0)
+            config = LoadConfig(self._url, self.served_name, concurrency=concurrency,
+                                num_warmup=0)
             result = asyncio.run(run_load(config, workload, progress=progress))
         finally:
             if started_here:
@@ -261,6 +263,7 @@ class LlamaCppPeer(ServerPeer):
 
 class VllmPeer(ServerPeer):
     name = "vllm"
+    served_name = "peer-model"
     start_timeout_s = 900.0  # the CPU backend compiles for minutes at start-up
 
     def __init__(self) -> None:
@@ -275,12 +278,14 @@ class VllmPeer(ServerPeer):
 
     def server_command(self, model_dir: str, port: int, max_concurrency: int, threads: int,
                        max_model_len: int) -> tuple[list[str], dict[str, str]]:
+        # KV cache space in GiB for the CPU backend.
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
-               "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "all"}
+               "OMP_NUM_THREADS": str(threads)}
         return ([str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
-                 "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-                 "--dtype", "float32", "--max-model-len", str(max_model_len),
-                 "--max-num-seqs", str(max_concurrency), "--disable-log-requests"], env)
+                 "--model", str(model_dir), "--served-model-name", self.served_name,
+                 "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+                 "--max-model-len", str(max_model_len),
+                 "--max-num-seqs", str(max_concurrency)], env)
 
 
 PEERS: dict[str, type[Peer]] = {"transformers": TransformersPeer, "llamacpp": LlamaCppPeer,
