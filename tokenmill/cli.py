@@ -172,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from tokenmill.bench.commands import add_bench_subcommands
+    from tokenmill.profile.command import add_profile_subcommand
+
+    add_bench_subcommands(sub)
+    add_profile_subcommand(sub)
     return parser
 
 
