@@ -47,8 +47,8 @@ def main() -> None:
             x = torch.randn(rows, in_features)
             linear, matmul = [], []
             for _ in range(args.rounds):
-                linear.append(best_time(lambda: F.linear(x, weight)))
-                matmul.append(best_time(lambda: x @ weight_t))
+                linear.append(best_time(lambda x=x, w=weight: F.linear(x, w)))
+                matmul.append(best_time(lambda x=x, w=weight_t: x @ w))
             a, b = statistics.median(linear) * 1e3, statistics.median(matmul) * 1e3
             print(f"| {name} ({out_features}x{in_features}) | {rows} | {a:.3f} | {b:.3f} "
                   f"| {a / b:.2f}x |")
