@@ -10,6 +10,7 @@ from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
@@ -66,6 +67,8 @@ FAMILIES = {
     "mistral": lambda: MistralConfig(**_common(sliding_window=None)),
     "qwen2": lambda: Qwen2Config(**_common(tie_word_embeddings=True)),
     "qwen3": lambda: Qwen3Config(**_common(head_dim=32)),
+    "mixtral": lambda: MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2,
+                                               sliding_window=None)),
 }
 
 

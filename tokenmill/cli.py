@@ -155,24 +155,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds in-flight requests get to finish on SIGTERM")
 
 
-def cmd_plan(args: argparse.Namespace) -> int:
-    from tokenmill.engine.memory import available_memory, plan_memory
-    from tokenmill.model.loader import read_config, resolve_device, resolve_dtype
-
-    try:
-        config = engine_config_from_args(args)
-        device = resolve_device(config.model.device)
-        dtype = resolve_dtype(config.model.dtype, device)
-        memory = args.device_memory or available_memory(device)
-        plan = plan_memory(config, read_config(config.model.model), dtype, args.context,
-                           args.concurrency, memory)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(plan.format())
-    return 0 if plan.fits else 1
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -191,15 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
-    plan = sub.add_parser("plan", help="memory plan: weights + KV + activations, and the fit")
-    plan.add_argument("what", choices=["memory"])
-    plan.add_argument("--context", type=int, required=True, help="tokens per sequence")
-    plan.add_argument("--concurrency", type=int, required=True, help="concurrent sequences")
-    plan.add_argument("--device-memory", type=int, default=None,
-                      help="bytes available (default: free memory of the device)")
-    plan.add_argument("--log-level", default="warning")
-    add_engine_arguments(plan)
-    plan.set_defaults(func=cmd_plan)
+    from tokenmill.bench.commands import add_bench_subcommands
+    from tokenmill.plan.command import add_plan_subcommand
+    from tokenmill.profile.command import add_profile_subcommand
+
+    add_bench_subcommands(sub)
+    add_plan_subcommand(sub)
+    add_profile_subcommand(sub)
     return parser
 
 

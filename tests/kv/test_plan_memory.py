@@ -50,10 +50,11 @@ def test_int8_budget_holds_about_four_times_the_fp32_tokens(arch):
     assert all(p.total_bytes <= budget for p in plans.values())
 
 
-def test_parameter_count_matches_the_checkpoint(llama_dir):
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral"])
+def test_parameter_count_matches_the_checkpoint(model_factory, family):
     from tokenmill.model.loader import load_model
 
-    loaded = load_model(llama_dir, progress=False)
+    loaded = load_model(model_factory(family), progress=False)
     assert num_parameters(loaded.arch) == sum(p.numel() for p in loaded.model.parameters())
 
 

@@ -92,6 +92,8 @@ class LLMEngine:
         self.groups: dict[str, RequestGroup] = {}
         self._requests: dict[str, tuple[RequestGroup, int]] = {}
         self.stats = EngineStats()
+        # Optional step tracer (tokenmill.profile.StepTracer); None costs nothing.
+        self.tracer = None
 
     @classmethod
     def from_kwargs(cls, model: str | None = None, progress: bool = True, **kwargs
@@ -172,9 +174,14 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.begin_step()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
+        if tracer is not None:
+            tracer.scheduled(sched, len(self.scheduler.running), len(self.scheduler.waiting))
         tables = {r.request_id: self.kv_manager.get_block_table(r.request_id)
                   for r, _ in sched.scheduled}
         result = self.runner.execute(sched, tables)
@@ -204,7 +211,10 @@ class LLMEngine:
                 request.logprobs.append(logprob)
                 request.cumulative_logprob += logprob.logprob
             self._check_stop(request, token, group.detokenizers[index])
-        return [self._group_output(g) for g in touched.values()]
+        outputs = [self._group_output(g) for g in touched.values()]
+        if tracer is not None:
+            tracer.end_step()
+        return outputs
 
     def _check_stop(self, request: Request, token: int, detok: IncrementalDetokenizer) -> None:
         params = request.sampling_params

@@ -88,10 +88,13 @@ def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
 # ---- whole-deployment plan (`tokenmill plan memory`) ----------------------------------------
 
 def num_parameters(arch: ArchConfig) -> int:
-    """Parameters of a Llama-family decoder, counted from its shape."""
+    """Parameters of a Llama-family decoder (dense or Mixtral MoE), counted from its shape."""
     hidden, inter = arch.hidden_size, arch.intermediate_size
     q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + 3 * hidden * inter + 2 * hidden
+    mlp = 3 * hidden * inter
+    if arch.num_experts:
+        mlp = arch.num_experts * (mlp + hidden)  # each expert's MLP + its router row
+    layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + mlp + 2 * hidden
     if arch.qkv_bias:
         layer += q_size + 2 * kv_size
     if arch.o_proj_bias:

@@ -29,6 +29,9 @@ class ArchConfig:
     sliding_window: int | None
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (0 for dense models).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @classmethod
@@ -69,6 +72,8 @@ class ArchConfig:
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
+            num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
             raw=cfg,
         )
 

@@ -8,7 +8,7 @@ fused weights through `STACKED_PARAMS`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +16,7 @@ from torch import nn
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
 from tokenmill.kv import KVCache
+from tokenmill.layers.linear import Linear, wide
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.model.arch import ArchConfig
@@ -31,15 +32,17 @@ STACKED_PARAMS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, transpose_wide: bool) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_proj_bias)
+        qkv_out = self.q_size + 2 * self.kv_size
+        self.qkv_proj = Linear(arch.hidden_size, qkv_out, arch.qkv_bias,
+                               wide(arch.hidden_size, qkv_out, transpose_wide))
+        self.o_proj = Linear(self.q_size, arch.hidden_size, arch.o_proj_bias,
+                             wide(self.q_size, arch.hidden_size, transpose_wide))
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -67,11 +70,14 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
+                 transpose_wide: bool) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias,
+                                   wide(hidden_size, 2 * intermediate_size, transpose_wide))
+        self.down_proj = Linear(intermediate_size, hidden_size, bias,
+                                wide(intermediate_size, hidden_size, transpose_wide))
 
     def shard_slice(self, shard: str) -> slice:
         size = self.intermediate_size
@@ -83,10 +89,10 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, transpose_wide: bool, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = Attention(arch)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
+        self.self_attn = Attention(arch, transpose_wide)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -99,40 +105,54 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
+    def __init__(self, arch: ArchConfig, max_positions: int, transpose_wide: bool,
+                 build_mlp: Callable[[], nn.Module]) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        # A tied embedding lives in the LM head (see LlamaForCausalLM.embed).
+        self.embed_tokens = (None if arch.tie_word_embeddings
+                             else nn.Embedding(arch.vocab_size, arch.hidden_size))
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
-        self.layers = nn.ModuleList(DecoderLayer(arch) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, transpose_wide, build_mlp())
+                                    for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama, Mistral, Qwen2 and Qwen3 checkpoints."""
+    """Llama, Mistral, Qwen2 and Qwen3 checkpoints.
 
-    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
+    transpose_wide: store wide projections [in, out] (faster one-row products on CPU,
+    see layers/linear.py); numerics are unchanged.
+    """
+
+    def __init__(self, arch: ArchConfig, max_positions: int, transpose_wide: bool = False
+                 ) -> None:
         super().__init__()
         if arch.hidden_act != "silu":
             raise ValueError(f"hidden_act {arch.hidden_act!r} is not supported (only 'silu')")
         self.arch = arch
-        self.model = LlamaModel(arch, max_positions)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        self.tie_weights()
+        self.model = LlamaModel(arch, max_positions, transpose_wide,
+                                lambda: self.build_mlp(arch, transpose_wide))
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False,
+                              wide(arch.hidden_size, arch.vocab_size, transpose_wide))
 
-    def tie_weights(self) -> None:
-        """Share the embedding with the LM head (again after moving devices, which unties)."""
-        if self.arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+    @staticmethod
+    def build_mlp(arch: ArchConfig, transpose_wide: bool) -> nn.Module:
+        return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, transpose_wide)
 
     def post_load(self) -> None:
         """Build non-persistent tables once the module sits on its device."""
         self.model.rotary.build_cache()
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.model.embed_tokens is None:
+            return self.lm_head.embedding(input_ids)
+        return self.model.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[KVCache], metadata: AttentionMetadata,
                 backend: AttentionBackend) -> torch.Tensor:
         """Final hidden states [T, hidden] for a flattened batch of T tokens."""
-        hidden = self.model.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         rope = self.model.rotary(positions, hidden.dtype)
         for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
             hidden = layer(rope, hidden, kv_cache, metadata, backend)
@@ -142,28 +162,41 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors into the (fused) parameters; returns the names loaded."""
-        params = dict(self.named_parameters())
+        """Copy checkpoint tensors into the (fused, possibly transposed) parameters.
+
+        Returns what was filled, as "parameter" or "parameter[rows]" names, so the
+        loader can check completeness against expected_weights().
+        """
         loaded: set[str] = set()
         for name, tensor in weights:
             if "rotary_emb" in name:
                 continue
-            if self.arch.tie_word_embeddings and name == "lm_head.weight":
-                continue
+            if self.arch.tie_word_embeddings:
+                if name == "lm_head.weight":
+                    continue  # the same tensor as the embedding
+                if name == "model.embed_tokens.weight":
+                    name = "lm_head.weight"
             target, rows = self._locate(name)
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
-            dest = param.data if rows is None else param.data[rows]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            try:
+                module_name, param_name = self._split_owner(target)
+                module = self.get_submodule(module_name)
+                if hasattr(module, "load_checkpoint_tensor"):
+                    # Modules with their own checkpoint layout (MoE experts).
+                    loaded.add(module.load_checkpoint_tensor(module_name, param_name, tensor))
+                    continue
+                if isinstance(module, Linear):
+                    module.load(param_name, tensor, rows)
+                else:
+                    getattr(module, param_name).data.copy_(tensor)
+            except (AttributeError, ValueError, RuntimeError) as exc:
+                raise ValueError(f"checkpoint tensor {name!r} "
+                                 f"({tuple(tensor.shape)}) does not fit the model: {exc}") from None
             loaded.add(f"{target}[{rows.start}:{rows.stop}]" if rows is not None else target)
         return loaded
 
     def _locate(self, name: str) -> tuple[str, slice | None]:
         """Map a checkpoint name to (parameter name, rows of a fused parameter)."""
+        name = self.rename_checkpoint_tensor(name)
         for ckpt_part, (fused, shard) in STACKED_PARAMS.items():
             if f".{ckpt_part}." in name:
                 target = name.replace(ckpt_part, fused)
@@ -171,19 +204,40 @@ class LlamaForCausalLM(nn.Module):
                 return target, owner.shard_slice(shard)
         return name, None
 
+    def _split_owner(self, target: str) -> tuple[str, str]:
+        """(deepest existing module, the rest of the name) for a parameter path."""
+        parts = target.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            prefix = ".".join(parts[:cut])
+            try:
+                self.get_submodule(prefix)
+            except AttributeError:
+                continue
+            return prefix, ".".join(parts[cut:])
+        raise AttributeError(f"no module owns {target!r}")
+
+    @staticmethod
+    def rename_checkpoint_tensor(name: str) -> str:
+        """Hook for families whose checkpoint names differ from the module tree."""
+        return name
+
     def expected_weights(self) -> set[str]:
         """What load_weights must have filled for the model to be complete."""
         expected: set[str] = set()
         for name, _ in self.named_parameters():
             module = self.get_submodule(name.rsplit(".", 2)[0]) if "." in name else self
+            owner = self.get_submodule(name.rpartition(".")[0])
+            if hasattr(owner, "expected_checkpoint_tensors"):
+                expected |= owner.expected_checkpoint_tensors(name.rpartition(".")[0])
+                continue
             if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
-                for shard in "qkv":
-                    rows = module.shard_slice(shard)
-                    expected.add(f"{name}[{rows.start}:{rows.stop}]")
+                shards = "qkv"
             elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
-                for shard in ("gate", "up"):
-                    rows = module.shard_slice(shard)
-                    expected.add(f"{name}[{rows.start}:{rows.stop}]")
+                shards = ("gate", "up")
             else:
                 expected.add(name)
+                continue
+            for shard in shards:
+                rows = module.shard_slice(shard)
+                expected.add(f"{name}[{rows.start}:{rows.stop}]")
         return expected

@@ -86,9 +86,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
     torch_dtype = resolve_dtype(dtype, torch_device)
     positions = max_positions or arch.max_position_embeddings
     with torch.device("meta"):
-        model = model_class(arch, positions)
+        model = model_class(arch, positions, transpose_wide=torch_device.type == "cpu")
     model = model.to_empty(device=torch_device).to(torch_dtype)
-    model.tie_weights()
     # Rotary tables stay in float32 whatever the weights' dtype.
     model.model.rotary.float()
     loaded = model.load_weights(iterate_weights(safetensors_files(model_dir), progress))

@@ -5,10 +5,12 @@ from __future__ import annotations
 from torch import nn
 
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.mixtral import MixtralForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
 }

@@ -48,6 +48,8 @@ class ModelRunner:
                           for _ in range(arch.num_layers)]
         self.generator = torch.Generator().manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        # Optional step tracer (tokenmill.profile.StepTracer); None costs nothing.
+        self.tracer = None
 
     def release(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
@@ -83,10 +85,18 @@ class ModelRunner:
                 slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
         metadata = self._attention_metadata(decodes, prefills, block_tables, slots)
         device = self.device
-        hidden = self.model(torch.tensor(tokens, dtype=torch.int64, device=device),
-                            torch.tensor(positions, dtype=torch.int64, device=device),
-                            self.kv_caches, metadata, self.backend)
-        return self._sample(ordered, hidden)
+        token_tensor = torch.tensor(tokens, dtype=torch.int64, device=device)
+        position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
+        tracer = self.tracer
+        if tracer is not None:
+            tracer.mark("prepare_inputs")
+        hidden = self.model(token_tensor, position_tensor, self.kv_caches, metadata, self.backend)
+        if tracer is not None:
+            tracer.mark("forward")
+        result = self._sample(ordered, hidden)
+        if tracer is not None:
+            tracer.mark("sample")
+        return result
 
     def _attention_metadata(self, decodes: list[tuple[Request, int]],
                             prefills: list[tuple[Request, int]],
@@ -134,6 +144,8 @@ class ModelRunner:
         if not sample_requests:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])
+        if self.tracer is not None:
+            self.tracer.mark("logits")
         params = [r.sampling_params for r in sample_requests]
         banned = [(row, sorted(r.eos_token_ids | set(r.sampling_params.stop_token_ids)))
                   for row, r in enumerate(sample_requests)

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
+from tokenmill.profile.routes import add_profile_routes
 from tokenmill.server.errors import APIError, error_body, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openai_serving import OpenAIServing
@@ -185,6 +186,7 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
             raise APIError(400, f"tokens must be integers in [0, {vocab})", param="tokens")
         return DetokenizeResponse(prompt=async_engine.tokenizer.decode(body.tokens))
 
+    add_profile_routes(api, async_engine)
     app.include_router(api)
     _document_400_not_422(app)
     return app

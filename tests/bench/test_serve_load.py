@@ -1,0 +1,73 @@
+"""The load generator against a real `tokenmill serve` process on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+
+import pytest
+
+from tests.server.conftest import API_KEY, MODEL_NAME, start_server
+from tokenmill.bench.metrics import SLO
+from tokenmill.bench.serve_load import LoadConfig, arrival_gaps, run_load
+from tokenmill.bench.workload import WorkloadSpec, build_workload
+
+
+@pytest.fixture(scope="module")
+def bench_server(llama_dir, tmp_path_factory):
+    proc = start_server(llama_dir, tmp_path_factory.mktemp("bench-server"))
+    yield proc
+    proc.stop()
+
+
+def workload(n: int, seed: int = 0):
+    return build_workload(WorkloadSpec(num_requests=n, input_len=12, output_len=6,
+                                       length_dist="uniform", seed=seed), 384,
+                          avoid_token_ids=frozenset({0}))
+
+
+def test_closed_loop_accounts_for_every_request(bench_server, tmp_path):
+    config = LoadConfig(bench_server.url, MODEL_NAME, API_KEY, concurrency=3, num_warmup=2)
+    requests = workload(12)
+    result = asyncio.run(run_load(config, requests, SLO(ttft_s=30.0, tpot_s=30.0),
+                                  progress=False))
+    assert len(result.records) == 10 and result.num_not_sent == 0
+    failures = [r.error for r in result.records if not r.success]
+    assert not failures, failures
+    summary = result.summary
+    assert summary.completed == 10 and summary.failed == 0
+    # ignore_eos: every request produced exactly its max_tokens, counted via usage
+    assert [r.output_tokens for r in result.records] == [r.max_tokens for r in requests[2:]]
+    assert summary.output_tokens == sum(r.max_tokens for r in requests[2:])
+    assert summary.goodput_share == 1.0
+    assert all(r.ttft > 0 and r.e2e >= r.ttft for r in result.records)
+    path = tmp_path / "load.json"
+    path.write_text(json.dumps(result.to_json(config)))
+    saved = json.loads(path.read_text())
+    assert len(saved["requests"]) == 10 and "api_key" not in saved["config"]
+    assert saved["summary"]["completed"] == 10
+
+
+def test_poisson_arrivals_bounded_by_time_account_for_every_request(bench_server):
+    config = LoadConfig(bench_server.url, MODEL_NAME, API_KEY, request_rate=8.0,
+                        duration_s=1.5, seed=1)
+    requests = workload(200, seed=1)
+    result = asyncio.run(run_load(config, requests, progress=False))
+    sent = len(result.records)
+    assert 0 < sent < 200 and sent + result.num_not_sent == 200
+    assert result.summary.completed + result.summary.failed == sent
+    assert result.summary.failed == 0, [r.error for r in result.records if r.error]
+
+
+def test_wrong_key_is_recorded_as_failure_not_raised(bench_server):
+    config = LoadConfig(bench_server.url, MODEL_NAME, "wrong", concurrency=2)
+    result = asyncio.run(run_load(config, workload(2), progress=False))
+    assert result.summary.failed == 2
+    assert all("401" in r.error for r in result.records)
+
+
+def test_gamma_gaps_have_the_requested_mean_rate():
+    gaps = arrival_gaps(rate=4.0, burstiness=0.5, count=4000, seed=0)
+    assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.1)
+    assert arrival_gaps(4.0, 0.5, 10, 3) == arrival_gaps(4.0, 0.5, 10, 3)

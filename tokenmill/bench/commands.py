@@ -1,0 +1,28 @@
+"""`tokenmill bench ...`: the subcommands, wired into tokenmill.cli's parser."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_bench_subcommands(sub: argparse._SubParsersAction) -> None:
+    from tokenmill.bench.compare import add_compare_arguments
+    from tokenmill.bench.latency import add_latency_arguments
+    from tokenmill.bench.peers import add_peers_arguments
+    from tokenmill.bench.serve_load import add_serve_bench_arguments, cmd_bench_serve
+    from tokenmill.bench.throughput import add_throughput_arguments
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput, latency, serve, compare, peers")
+    commands = bench.add_subparsers(dest="bench_command", required=True)
+    add_throughput_arguments(commands.add_parser(
+        "throughput", help="offline engine throughput on a workload, with roofline fractions"))
+    add_latency_arguments(commands.add_parser(
+        "latency", help="TTFT and per-token latency of one batch at batch sizes 1..N"))
+    serve = commands.add_parser("serve", help="load an OpenAI-compatible /v1/completions server")
+    add_serve_bench_arguments(serve)
+    serve.add_argument("--log-level", default="warning")
+    serve.set_defaults(func=cmd_bench_serve)
+    add_compare_arguments(commands.add_parser(
+        "compare", help="one workload across engine configs and peers; Markdown + PNG report"))
+    add_peers_arguments(commands.add_parser(
+        "peers", help="detect or install peer engines (transformers, llama.cpp, vLLM)"))

@@ -1,0 +1,59 @@
+"""Linear layers whose weight layout is chosen for speed on the device at hand.
+
+Checkpoints store a weight as [out, in]. On CPU, one-row products (batch-1 decode)
+with a wide matrix (out > in: fused QKV, gate/up, the LM head) stream the weight
+about twice as fast when it is stored [in, out] and multiplied as `x @ W` than through
+`F.linear` on [out, in] (measured: benchmarks/bench_linear_layout.py), while tall
+matrices (down_proj) are faster in the checkpoint layout. The layout is fixed at
+construction; loading transposes checkpoint tensors as they are copied in.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Linear(nn.Module):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 transposed: bool = False) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.transposed = transposed
+        shape = (in_features, out_features) if transposed else (out_features, in_features)
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        out = x @ self.weight
+        return out + self.bias if self.bias is not None else out
+
+    @torch.no_grad()
+    def load(self, name: str, tensor: torch.Tensor, rows: slice | None = None) -> None:
+        """Copy a checkpoint tensor (weight [out, in] or bias [out]) into the output rows
+        `rows` (all when None) of this layer's parameter."""
+        rows = rows or slice(0, self.out_features)
+        if name == "bias":
+            dest = self.bias[rows]
+        elif self.transposed:
+            dest, tensor = self.weight[:, rows], tensor.t()
+        else:
+            dest = self.weight[rows]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(dest.shape)}")
+        dest.copy_(tensor)
+
+    def embedding(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Rows of the [out, in] matrix: a tied LM head doubles as the token embedding."""
+        if self.transposed:
+            return self.weight.index_select(1, token_ids).t()
+        return self.weight.index_select(0, token_ids)
+
+
+def wide(in_features: int, out_features: int, transpose_wide: bool) -> bool:
+    """Whether a layer of this shape takes the transposed layout."""
+    return transpose_wide and out_features > in_features

@@ -1,0 +1,1 @@
+"""Capacity planning commands (`tokenmill plan ...`)."""

@@ -1,0 +1,44 @@
+"""`tokenmill plan memory`: weights + KV + activations for a context and concurrency,
+and whether they fit. The arithmetic is `tokenmill.engine.memory`'s, the same the
+engine sizes its KV pool with."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_plan_subcommand(sub: argparse._SubParsersAction) -> None:
+    from tokenmill.cli import add_engine_arguments
+
+    plan = sub.add_parser("plan", help="capacity planning")
+    targets = plan.add_subparsers(dest="plan_target", required=True)
+    memory = targets.add_parser("memory", help="weights + KV + activations, and the fit")
+    memory.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    memory.add_argument("--concurrency", type=int, required=True,
+                        help="concurrent sequences")
+    memory.add_argument("--device-memory", type=int, default=None,
+                        help="bytes available (default: free memory of the device)")
+    memory.add_argument("--log-level", default="warning")
+    add_engine_arguments(memory)
+    memory.set_defaults(func=cmd_plan_memory)
+
+
+def cmd_plan_memory(args: argparse.Namespace) -> int:
+    """Prints the plan; exit status 0 when it fits, 1 when it does not, 2 on bad input."""
+    from tokenmill.cli import engine_config_from_args
+    from tokenmill.engine.memory import available_memory, plan_memory
+    from tokenmill.model.loader import read_config, resolve_device, resolve_dtype
+
+    try:
+        config = engine_config_from_args(args)
+        device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        memory = args.device_memory or available_memory(device)
+        plan = plan_memory(config, read_config(config.model.model), dtype, args.context,
+                           args.concurrency, memory)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(plan.format())
+    return 0 if plan.fits else 1
