@@ -330,6 +330,7 @@ def main() -> int:
     parser.add_argument("--budget-seqs", type=int, default=4,
                         help="fixed budget: this many full-length fp32 sequences' bytes")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-quality", action="store_true")
     parser.add_argument("--skip-throughput", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -337,25 +338,26 @@ def main() -> int:
     model = str(args.model or default_model())
     print(f"model {model}, {args.threads} threads")
 
-    rows, texts = quality(model, args)
-    print(f"\nquality: {rows[0]['texts']} stdlib texts x {args.tokens} tokens "
-          f"({rows[0]['positions']} positions), chunk {args.chunk_size}")
-    print("| kv cache | perplexity | delta % | mean KL (nats) | top-1 agreement | "
-          f"greedy agreement ({args.gen_tokens} tokens) |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for r in rows:
-        print(f"| {r['kv']} | {r['ppl']:.4f} | {r['ppl_delta_pct']:+.3f} | {r['kl']:.2e} | "
-              f"{100 * r['top1']:.2f}% | {100 * r['greedy']:.1f}% |")
+    if not args.skip_quality:
+        rows, texts = quality(model, args)
+        print(f"\nquality: {rows[0]['texts']} stdlib texts x {args.tokens} tokens "
+              f"({rows[0]['positions']} positions), chunk {args.chunk_size}")
+        print("| kv cache | perplexity | delta % | mean KL (nats) | top-1 agreement | "
+              f"greedy agreement ({args.gen_tokens} tokens) |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for r in rows:
+            print(f"| {r['kv']} | {r['ppl']:.4f} | {r['ppl_delta_pct']:+.3f} | {r['kl']:.2e} | "
+                  f"{100 * r['top1']:.2f}% | {100 * r['greedy']:.1f}% |")
 
-    granularity = scale_granularity(model, texts, args.threads)
-    print("\nscale granularity: relative error ||x - x_hat|| / ||x|| of post-RoPE K and V, "
-          "mean over layers and texts")
-    print("| tensor | codes | per token per head | per channel per 16-token group (KIVI) | "
-          "per-channel better in |")
-    print("| --- | --- | --- | --- | --- |")
-    for r in granularity:
-        print(f"| {r['kind']} | {r['dtype']} | {r['token']:.2e} | {r['channel']:.2e} | "
-              f"{r['channel_wins']}/{r['cases']} |")
+        granularity = scale_granularity(model, texts, args.threads)
+        print("\nscale granularity: relative error ||x - x_hat|| / ||x|| of post-RoPE K and V, "
+              "mean over layers and texts")
+        print("| tensor | codes | per token per head | per channel per 16-token group (KIVI) | "
+              "per-channel better in |")
+        print("| --- | --- | --- | --- | --- |")
+        for r in granularity:
+            print(f"| {r['kind']} | {r['dtype']} | {r['token']:.2e} | {r['channel']:.2e} | "
+                  f"{r['channel_wins']}/{r['cases']} |")
 
     cost = gather_cost(args)
     print("\ngather of a decode batch (16 seqs x 1024 tokens, 2 KV heads x 64), one layer:")
@@ -371,12 +373,13 @@ def main() -> int:
     print(f"\nthroughput: {args.requests} requests, prompt {args.prompt_len}, "
           f"{args.output_len} new tokens, median of {args.repeats} interleaved runs")
     print("| scenario | kv cache | KV MiB | blocks | mean running | preemptions | steps | "
-          "out tok/s | ratio vs auto |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "ms/step | out tok/s | ratio vs auto |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for scenario, rs in results.items():
         for r in rs:
             print(f"| {scenario} | {r['kv']} | {r['budget_mib']:.1f} | {r['num_blocks']} | "
                   f"{r['mean_running']:.1f} | {r['preemptions']} | {r['steps']} | "
+                  f"{1000 * r['seconds'] / r['steps']:.1f} | "
                   f"{r['tok_s']:.1f} | {r['tok_s'] / rs[0]['tok_s']:.2f}x |")
     return 0
 
