@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tokenmill.kv import KVCache, dequantize, quantize
+from tokenmill.kv.quant import codes_to
 
 
 def roundtrip(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,6 +42,14 @@ def test_fp8_error_is_within_e4m3_precision(seed):
     # smallest normal (2^-6) the spacing is 2^-9, so absolute error <= 2^-10 steps.
     bound = torch.maximum(x.abs() * 2**-4, scale[..., None] * 2**-10) * (1 + 1e-5)
     assert ((x_hat - x).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_table_lookup_equals_the_cast_for_every_byte(dtype):
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn)
+    looked_up, cast = codes_to(codes.reshape(16, 16), dtype), codes.to(dtype).reshape(16, 16)
+    assert torch.equal(looked_up.isnan(), cast.isnan())
+    assert torch.equal(looked_up.nan_to_num(), cast.nan_to_num())
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])

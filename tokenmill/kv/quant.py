@@ -9,6 +9,8 @@ Dequantization is q * s in the compute dtype.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 # kv_cache_dtype (config value) -> storage dtype; "auto" stores in the model's dtype.
@@ -52,4 +54,21 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> 
     """codes [..., D], scales [...] -> values [..., D] in dtype."""
     # In place after the cast: one full-size output, not two (on CPU each fresh
     # tensor of this size costs page faults comparable to the arithmetic).
-    return codes.to(dtype).mul_(scale.unsqueeze(-1).to(dtype))
+    return codes_to(codes, dtype).mul_(scale.unsqueeze(-1).to(dtype))
+
+
+def codes_to(codes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The codes' values in dtype (exact: every int8 and e4m3 value is representable)."""
+    if codes.dtype == torch.float8_e4m3fn and codes.device.type == "cpu":
+        # The CPU float8 cast runs element by element in software; looking the 256
+        # possible bytes up in a table measured ~4x faster.
+        table = _fp8_table(dtype)
+        flat = codes.view(torch.uint8).reshape(-1).to(torch.int32)
+        return table.index_select(0, flat).view(codes.shape)
+    return codes.to(dtype)
+
+
+@functools.cache
+def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
+    """Value of each e4m3fn byte 0..255 in dtype."""
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(dtype)
