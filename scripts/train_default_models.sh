@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Train the shared tokenizer and the three default models, one after another, then
+# write their model cards. Run from the repository root; ~85 min on 2 CPU cores.
+# Each model has a wall-clock budget (minutes) so a busy machine costs tokens, not time.
+set -euo pipefail
+PY=${PY:-python}
+declare -A MINUTES=([pycoder]=45 [pycoder-draft]=10 [pycoder-moe]=22)
+$PY -m tokenmill.train tokenizer --out models/pycoder
+for preset in pycoder pycoder-draft pycoder-moe; do
+    echo "=== $preset start $(date -u +%H:%M:%S)"
+    $PY -m tokenmill.train model --preset "$preset" --tokenizer models/pycoder \
+        --out "models/$preset" --max-minutes "${MINUTES[$preset]}"
+    $PY -m tokenmill.train card --model "models/$preset"
+    echo "=== $preset done $(date -u +%H:%M:%S)"
+done
