@@ -31,6 +31,7 @@ from tokenmill.train.curve import plot_loss_curve
 from tokenmill.train.evaluation import held_out_loss
 from tokenmill.train.packing import evaluation_windows, pack_documents, training_batches
 from tokenmill.train.presets import Preset, Schedule
+from tokenmill.train.threads import ThreadChooser
 from tokenmill.train.tokenizer import END_OF_TEXT, copy_tokenizer_files, load_tokenizer
 
 TRAIN_THREADS = 2
@@ -105,6 +106,7 @@ def train_model(
     tokens_seen = 0
     global_step = 0
     clock = TrainingClock(schedule, max_seconds)
+    threads = ThreadChooser(choices=(TRAIN_THREADS, 1))
     phase_seconds = []
     phase_steps = []
 
@@ -126,11 +128,14 @@ def train_model(
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(global_step, progress, schedule)
             batch = next(batches)
+            threads.threads_for_step(global_step)
+            step_started = time.perf_counter()
             output = model(input_ids=batch, labels=batch, **router_kwargs)
             output.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            threads.record(time.perf_counter() - step_started, phase.tokens_per_step)
             global_step += 1
             steps_done += 1
             tokens_seen += phase.tokens_per_step
@@ -141,6 +146,7 @@ def train_model(
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", seq=phase.seq_len)
             if global_step % schedule.eval_every == 0:
+                torch.set_num_threads(threads.current)
                 result = held_out_loss(model, eval_windows, phase.batch_size)
                 history.eval_steps.append(global_step)
                 history.eval_tokens.append(tokens_seen)
@@ -150,6 +156,7 @@ def train_model(
         phase_steps.append(steps_done)
     bar.close()
     train_seconds = clock.elapsed()
+    torch.set_num_threads(threads.current)
 
     final_eval = {}
     for seq_len in FINAL_EVAL_SEQ_LENS:
@@ -180,6 +187,7 @@ def train_model(
         "max_seconds": max_seconds,
         "tokens_per_second": tokens_seen / train_seconds,
         "torch_threads": TRAIN_THREADS,
+        "steps_at_thread_count": {str(n): c for n, c in threads.steps_at.items()},
         "torch_version": torch.__version__,
         "final_train_loss": history.train_loss[-1] if history.train_loss else None,
         "held_out": final_eval,
