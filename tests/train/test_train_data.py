@@ -16,8 +16,18 @@ def make_tree(root, names):
 
 
 def test_corpus_skips_tests_and_site_packages_and_sorts(tmp_path):
-    make_tree(tmp_path, ["b.py", "a.py", "pkg/mod.py", "test/test_a.py", "pkg/tests/t.py",
-                         "site-packages/x.py", "notes.txt"])
+    make_tree(
+        tmp_path,
+        [
+            "b.py",
+            "a.py",
+            "pkg/mod.py",
+            "test/test_a.py",
+            "pkg/tests/t.py",
+            "site-packages/x.py",
+            "notes.txt",
+        ],
+    )
     assert list_sources(tmp_path) == ["a.py", "b.py", "pkg/mod.py"]
 
 

@@ -36,7 +36,10 @@ def tiny_preset(architecture: str, steps: int) -> Preset:
     if architecture == "mixtral":
         config |= {"num_local_experts": 4, "num_experts_per_tok": 2}
     schedule = Schedule(
-        phases=(Phase(steps=steps, seq_len=64, batch_size=4), Phase(steps=2, seq_len=128, batch_size=2)),
+        phases=(
+            Phase(steps=steps, seq_len=64, batch_size=4),
+            Phase(steps=2, seq_len=128, batch_size=2),
+        ),
         peak_lr=1e-2,
         warmup_steps=5,
         eval_every=20,
@@ -49,7 +52,9 @@ def tiny_preset(architecture: str, steps: int) -> Preset:
 def run(tmp_path, tokenizer_dir, train_texts, held_out_texts, architecture="llama", steps=60):
     preset = tiny_preset(architecture, steps)
     out_dir = tmp_path / preset.name
-    log = train_model(preset, tokenizer_dir, out_dir, train_texts, held_out_texts, show_progress=False)
+    log = train_model(
+        preset, tokenizer_dir, out_dir, train_texts, held_out_texts, show_progress=False
+    )
     return log, out_dir
 
 
@@ -60,15 +65,23 @@ def test_tiny_training_run_lowers_loss_and_saves_loadable_dir(
     losses = log["history"]["train_loss"]
     first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     assert last < first - 0.5, (first, last)
-    assert log["history"]["eval_loss"][-1] < log["history"]["eval_loss"][0] + 1e-6 or len(
-        log["history"]["eval_loss"]
-    ) == 1
+    assert (
+        log["history"]["eval_loss"][-1] < log["history"]["eval_loss"][0] + 1e-6
+        or len(log["history"]["eval_loss"]) == 1
+    )
     assert log["held_out"]["512"]["perplexity"] == pytest.approx(
         math.exp(log["held_out"]["512"]["loss"])
     )
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "train_log.json",
-                 "loss_curve.png"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "train_log.json",
+        "loss_curve.png",
+    ):
         assert (out_dir / name).is_file(), name
     config = json.loads((out_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
@@ -84,8 +97,12 @@ def test_tiny_training_run_lowers_loss_and_saves_loadable_dir(
 def test_training_is_reproducible_with_the_same_seed(
     tmp_path, tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts
 ):
-    first, _ = run(tmp_path / "a", tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts, steps=8)
-    second, _ = run(tmp_path / "b", tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts, steps=8)
+    first, _ = run(
+        tmp_path / "a", tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts, steps=8
+    )
+    second, _ = run(
+        tmp_path / "b", tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts, steps=8
+    )
     assert first["history"]["train_loss"] == second["history"]["train_loss"]
 
 
@@ -126,8 +143,15 @@ def test_wall_clock_budget_stops_the_main_phase_and_still_runs_the_final_phase(
     tmp_path, tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts
 ):
     preset = tiny_preset("llama", 100_000)
-    log = train_model(preset, tiny_tokenizer_dir, tmp_path / "budget", tiny_train_texts,
-                      tiny_held_out_texts, show_progress=False, max_seconds=2.0)
+    log = train_model(
+        preset,
+        tiny_tokenizer_dir,
+        tmp_path / "budget",
+        tiny_train_texts,
+        tiny_held_out_texts,
+        show_progress=False,
+        max_seconds=2.0,
+    )
     assert 0 < log["phase_steps"][0] < 100_000
     assert log["phase_steps"][1] == 2
 

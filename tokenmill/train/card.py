@@ -63,27 +63,37 @@ def _architecture_rows(log: dict) -> list[str]:
         ("class", log["model_class"]),
         ("hidden size", config["hidden_size"]),
         ("layers", config["num_hidden_layers"]),
-        ("attention heads (query / key-value)",
-         f"{config['num_attention_heads']} / {config['num_key_value_heads']}"),
+        (
+            "attention heads (query / key-value)",
+            f"{config['num_attention_heads']} / {config['num_key_value_heads']}",
+        ),
         ("head dim", config["head_dim"]),
-        ("MLP intermediate size" + (" (per expert)" if "num_local_experts" in config else ""),
-         config["intermediate_size"]),
+        (
+            "MLP intermediate size" + (" (per expert)" if "num_local_experts" in config else ""),
+            config["intermediate_size"],
+        ),
         ("vocabulary", config["vocab_size"]),
         ("max position embeddings", config["max_position_embeddings"]),
         ("RoPE theta", config["rope_parameters"]["rope_theta"]),
         ("tied input/output embeddings", config["tie_word_embeddings"]),
     ]
     if "num_local_experts" in config:
-        rows.append(("experts / active per token",
-                     f"{config['num_local_experts']} / {config['num_experts_per_tok']}"))
+        rows.append(
+            (
+                "experts / active per token",
+                f"{config['num_local_experts']} / {config['num_experts_per_tok']}",
+            )
+        )
         rows.append(("router aux loss coefficient", config["router_aux_loss_coef"]))
     return [f"| {name} | {value} |" for name, value in rows]
 
 
 def _schedule_lines(log: dict) -> list[str]:
     schedule = log["schedule"]
-    lines = ["| phase | steps | sequence length | batch | tokens / step | wall time |",
-             "| --- | --- | --- | --- | --- | --- |"]
+    lines = [
+        "| phase | steps | sequence length | batch | tokens / step | wall time |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     phases = zip(schedule["phases"], log["phase_steps"], log["phase_seconds"], strict=True)
     for index, (phase, steps, seconds) in enumerate(phases):
         lines.append(
@@ -120,7 +130,9 @@ def _expert_lines(expert: dict) -> list[str]:
         header,
         "| --- " * (num_experts + 2) + "|",
     ]
-    for layer, (fractions, imbalance) in enumerate(zip(expert["fractions"], expert["imbalance"], strict=True)):
+    for layer, (fractions, imbalance) in enumerate(
+        zip(expert["fractions"], expert["imbalance"], strict=True)
+    ):
         cells = " | ".join(f"{f:.3f}" for f in fractions)
         lines.append(f"| {layer} | {cells} | {imbalance:.2f} |")
     return lines

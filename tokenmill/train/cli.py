@@ -1,8 +1,8 @@
 """Command line for training tokenmill's default models.
 
-    python -m tokenmill.train tokenizer --out models/pycoder
-    python -m tokenmill.train model --preset pycoder --tokenizer models/pycoder --out models/pycoder
-    python -m tokenmill.train card --model models/pycoder
+python -m tokenmill.train tokenizer --out models/pycoder
+python -m tokenmill.train model --preset pycoder --tokenizer models/pycoder --out models/pycoder
+python -m tokenmill.train card --model models/pycoder
 """
 
 from __future__ import annotations
@@ -74,7 +74,9 @@ def _run_model(args: argparse.Namespace) -> int:
         show_progress=not args.no_progress,
         max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
     )
-    summary = {key: log[key] for key in ("num_parameters", "tokens_seen", "train_seconds", "held_out")}
+    summary = {
+        key: log[key] for key in ("num_parameters", "tokens_seen", "train_seconds", "held_out")
+    }
     print(json.dumps(summary, indent=1))
     return 0
 

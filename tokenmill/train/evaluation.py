@@ -12,7 +12,7 @@ SAMPLE_PROMPTS = (
     "def fibonacci(n):\n",
     "import os\n\ndef ",
     "class Stack:\n    def __init__(self):\n",
-    "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
+    'def is_prime(n):\n    """Return True if n is a prime number."""\n',
     "for i in range(10):\n",
 )
 
@@ -51,7 +51,9 @@ def held_out_loss(model: PreTrainedModel, windows: torch.Tensor, batch_size: int
 
 
 @torch.no_grad()
-def expert_load(model: PreTrainedModel, windows: torch.Tensor, batch_size: int) -> list[list[float]]:
+def expert_load(
+    model: PreTrainedModel, windows: torch.Tensor, batch_size: int
+) -> list[list[float]]:
     """Fraction of routed (token, slot) assignments each expert gets, per layer.
 
     Routing is recomputed from the router logits exactly as the model routes:
@@ -66,7 +68,9 @@ def expert_load(model: PreTrainedModel, windows: torch.Tensor, batch_size: int) 
         router_logits = model(input_ids=batch, output_router_logits=True).router_logits
         layer_counts = torch.stack(
             [
-                torch.bincount(logits.topk(top_k, dim=-1).indices.reshape(-1), minlength=num_experts)
+                torch.bincount(
+                    logits.topk(top_k, dim=-1).indices.reshape(-1), minlength=num_experts
+                )
                 for logits in router_logits
             ]
         )

@@ -122,7 +122,10 @@ def pycoder(vocab_size: int = 8192) -> Preset:
         "tie_word_embeddings": True,
     }
     schedule = Schedule(
-        phases=(Phase(steps=1200, seq_len=512, batch_size=8), Phase(steps=50, seq_len=2048, batch_size=2)),
+        phases=(
+            Phase(steps=1200, seq_len=512, batch_size=8),
+            Phase(steps=50, seq_len=2048, batch_size=2),
+        ),
         peak_lr=2e-3,
     )
     return Preset("pycoder", "llama", config, schedule, "Llama with GQA (8 query / 2 KV heads)")
@@ -139,7 +142,10 @@ def pycoder_draft(vocab_size: int = 8192) -> Preset:
         "tie_word_embeddings": True,
     }
     schedule = Schedule(
-        phases=(Phase(steps=1000, seq_len=512, batch_size=8), Phase(steps=40, seq_len=2048, batch_size=2)),
+        phases=(
+            Phase(steps=1000, seq_len=512, batch_size=8),
+            Phase(steps=40, seq_len=2048, batch_size=2),
+        ),
         peak_lr=3e-3,
     )
     return Preset(
@@ -161,7 +167,10 @@ def pycoder_moe(vocab_size: int = 8192) -> Preset:
         "tie_word_embeddings": True,
     }
     schedule = Schedule(
-        phases=(Phase(steps=800, seq_len=512, batch_size=8), Phase(steps=40, seq_len=2048, batch_size=2)),
+        phases=(
+            Phase(steps=800, seq_len=512, batch_size=8),
+            Phase(steps=40, seq_len=2048, batch_size=2),
+        ),
         peak_lr=2e-3,
     )
     return Preset("pycoder-moe", "mixtral", config, schedule, "Mixtral, 8 experts, top-2 routing")

@@ -76,6 +76,110 @@ def _cross_entropy_of(output, model: PreTrainedModel) -> torch.Tensor:
     return output.loss - model.config.router_aux_loss_coef * aux_loss
 
 
+@dataclass
+class RunStats:
+    """What one pass over the schedule did, for the train log."""
+
+    steps: int = 0
+    tokens_seen: int = 0
+    train_seconds: float = 0.0
+    phase_steps: list[int] = field(default_factory=list)
+    phase_seconds: list[float] = field(default_factory=list)
+    steps_at_thread_count: dict[str, int] = field(default_factory=dict)
+
+
+def train_step(
+    model: PreTrainedModel,
+    optimizer: torch.optim.Optimizer,
+    batch: torch.Tensor,
+    grad_clip: float,
+) -> float:
+    """One optimiser step on ``batch``; returns its language-model cross-entropy."""
+    is_moe = getattr(model.config, "num_local_experts", None) is not None
+    # MoE training adds the load-balancing term, which needs the router logits.
+    extra = {"output_router_logits": True} if is_moe else {}
+    output = model(input_ids=batch, labels=batch, **extra)
+    output.loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(_cross_entropy_of(output, model).detach())
+
+
+def run_schedule(
+    model: PreTrainedModel,
+    schedule: Schedule,
+    train_tokens: torch.Tensor,
+    eval_windows: torch.Tensor,
+    show_progress: bool,
+    max_seconds: float | None,
+) -> tuple[TrainHistory, RunStats]:
+    """Train ``model`` through every phase of ``schedule``."""
+    model.train()
+    optimizer = make_optimizer(model, schedule)
+    clock = TrainingClock(schedule, max_seconds)
+    threads = ThreadChooser(choices=(TRAIN_THREADS, 1))
+    history = TrainHistory()
+    stats = RunStats()
+    bar = tqdm(total=schedule.total_steps, disable=not show_progress, mininterval=20, ascii=True)
+    for phase_index, phase in enumerate(schedule.phases):
+        phase_started = time.perf_counter()
+        if clock.is_final_phase(phase_index):
+            clock.enter_final_phase(clock.progress(stats.steps, phase_index - 1, 0))
+        batches = training_batches(
+            train_tokens, phase.seq_len, phase.batch_size, schedule.seed + phase_index
+        )
+        steps_done = 0
+        for step_in_phase in range(phase.steps):
+            if not clock.is_final_phase(phase_index) and clock.main_budget_spent():
+                break
+            progress = clock.progress(stats.steps, phase_index, step_in_phase)
+            for group in optimizer.param_groups:
+                group["lr"] = learning_rate(stats.steps, progress, schedule)
+            batch = next(batches)
+            threads.threads_for_step(stats.steps)
+            step_started = time.perf_counter()
+            loss = train_step(model, optimizer, batch, schedule.grad_clip)
+            threads.record(time.perf_counter() - step_started, phase.tokens_per_step)
+            steps_done += 1
+            stats.steps += 1
+            stats.tokens_seen += phase.tokens_per_step
+            history.steps.append(stats.steps)
+            history.tokens.append(stats.tokens_seen)
+            history.train_loss.append(loss)
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", seq=phase.seq_len)
+            if stats.steps % schedule.eval_every == 0:
+                torch.set_num_threads(threads.current)
+                result = held_out_loss(model, eval_windows, phase.batch_size)
+                history.eval_steps.append(stats.steps)
+                history.eval_tokens.append(stats.tokens_seen)
+                history.eval_loss.append(result.loss)
+                bar.write(f"step {stats.steps}: held-out loss {result.loss:.4f}")
+        stats.phase_seconds.append(time.perf_counter() - phase_started)
+        stats.phase_steps.append(steps_done)
+    bar.close()
+    stats.train_seconds = clock.elapsed()
+    stats.steps_at_thread_count = {str(n): c for n, c in threads.steps_at.items()}
+    # Measurements after training use whichever thread count was fastest last.
+    torch.set_num_threads(threads.current)
+    return history, stats
+
+
+def final_held_out(model: PreTrainedModel, held_out_tokens: torch.Tensor) -> dict:
+    """Loss and perplexity over all held-out windows at each reported context length."""
+    results = {}
+    for seq_len in FINAL_EVAL_SEQ_LENS:
+        windows = evaluation_windows(held_out_tokens, min(seq_len, held_out_tokens.numel()), None)
+        result = held_out_loss(model, windows, max(1, 4096 // windows.shape[1]))
+        results[str(result.seq_len)] = {
+            "loss": result.loss,
+            "perplexity": result.perplexity,
+            "tokens": result.num_tokens,
+        }
+    return results
+
+
 def train_model(
     preset: Preset,
     tokenizer_dir: Path,
@@ -100,75 +204,12 @@ def train_model(
 
     torch.manual_seed(schedule.seed)
     model = build_model(preset)
-    model.train()
-    optimizer = make_optimizer(model, schedule)
-    history = TrainHistory()
-    tokens_seen = 0
-    global_step = 0
-    clock = TrainingClock(schedule, max_seconds)
-    threads = ThreadChooser(choices=(TRAIN_THREADS, 1))
-    phase_seconds = []
-    phase_steps = []
-
-    # MoE training adds the load-balancing term, which needs the router logits.
-    router_kwargs = {"output_router_logits": True} if preset.architecture == "mixtral" else {}
-    bar = tqdm(total=schedule.total_steps, disable=not show_progress, mininterval=20, ascii=True)
-    for phase_index, phase in enumerate(schedule.phases):
-        phase_started = time.perf_counter()
-        if clock.is_final_phase(phase_index):
-            clock.enter_final_phase(clock.progress(global_step, phase_index - 1, 0))
-        batches = training_batches(
-            train_tokens, phase.seq_len, phase.batch_size, schedule.seed + phase_index
-        )
-        steps_done = 0
-        for step_in_phase in range(phase.steps):
-            if not clock.is_final_phase(phase_index) and clock.main_budget_spent():
-                break
-            progress = clock.progress(global_step, phase_index, step_in_phase)
-            for group in optimizer.param_groups:
-                group["lr"] = learning_rate(global_step, progress, schedule)
-            batch = next(batches)
-            threads.threads_for_step(global_step)
-            step_started = time.perf_counter()
-            output = model(input_ids=batch, labels=batch, **router_kwargs)
-            output.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), schedule.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            threads.record(time.perf_counter() - step_started, phase.tokens_per_step)
-            global_step += 1
-            steps_done += 1
-            tokens_seen += phase.tokens_per_step
-            loss = float(_cross_entropy_of(output, model).detach())
-            history.steps.append(global_step)
-            history.tokens.append(tokens_seen)
-            history.train_loss.append(loss)
-            bar.update(1)
-            bar.set_postfix(loss=f"{loss:.3f}", seq=phase.seq_len)
-            if global_step % schedule.eval_every == 0:
-                torch.set_num_threads(threads.current)
-                result = held_out_loss(model, eval_windows, phase.batch_size)
-                history.eval_steps.append(global_step)
-                history.eval_tokens.append(tokens_seen)
-                history.eval_loss.append(result.loss)
-                bar.write(f"step {global_step}: held-out loss {result.loss:.4f}")
-        phase_seconds.append(time.perf_counter() - phase_started)
-        phase_steps.append(steps_done)
-    bar.close()
-    train_seconds = clock.elapsed()
-    torch.set_num_threads(threads.current)
-
-    final_eval = {}
-    for seq_len in FINAL_EVAL_SEQ_LENS:
-        windows = evaluation_windows(held_out_tokens, min(seq_len, held_out_tokens.numel()), None)
-        result = held_out_loss(model, windows, max(1, 4096 // windows.shape[1]))
-        final_eval[str(result.seq_len)] = {
-            "loss": result.loss,
-            "perplexity": result.perplexity,
-            "tokens": result.num_tokens,
-        }
-
+    history, stats = run_schedule(
+        model, schedule, train_tokens, eval_windows, show_progress, max_seconds
+    )
+    held_out = final_held_out(model, held_out_tokens)
     save_model_dir(model, tokenizer_dir, out_dir)
+
     log = {
         "preset": preset.name,
         "architecture": preset.architecture,
@@ -178,19 +219,14 @@ def train_model(
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "train_tokens_in_corpus": int(train_tokens.numel()),
         "held_out_tokens_in_corpus": int(held_out_tokens.numel()),
-        "tokens_seen": tokens_seen,
-        "epochs": tokens_seen / train_tokens.numel(),
-        "steps": global_step,
-        "train_seconds": train_seconds,
-        "phase_seconds": phase_seconds,
-        "phase_steps": phase_steps,
+        "epochs": stats.tokens_seen / train_tokens.numel(),
+        **asdict(stats),
         "max_seconds": max_seconds,
-        "tokens_per_second": tokens_seen / train_seconds,
+        "tokens_per_second": stats.tokens_seen / stats.train_seconds,
         "torch_threads": TRAIN_THREADS,
-        "steps_at_thread_count": {str(n): c for n, c in threads.steps_at.items()},
         "torch_version": torch.__version__,
         "final_train_loss": history.train_loss[-1] if history.train_loss else None,
-        "held_out": final_eval,
+        "held_out": held_out,
         "history": asdict(history),
     }
     (out_dir / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
