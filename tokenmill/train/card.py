@@ -53,12 +53,12 @@ def write_model_card(model_dir: Path, corpus_root: Path | None = None) -> Path:
     log_path.write_text(json.dumps(log, indent=1) + "\n")
     weights_bytes = (model_dir / "model.safetensors").stat().st_size
     card_path = model_dir / "README.md"
-    card_path.write_text(render_card(log, weights_bytes))
+    config = json.loads((model_dir / "config.json").read_text())
+    card_path.write_text(render_card(log, config, weights_bytes))
     return card_path
 
 
-def _architecture_rows(log: dict) -> list[str]:
-    config = log["config"]
+def _architecture_rows(log: dict, config: dict) -> list[str]:
     rows = [
         ("class", log["model_class"]),
         ("hidden size", config["hidden_size"]),
@@ -118,6 +118,14 @@ def _schedule_lines(log: dict) -> list[str]:
     return lines
 
 
+def _thread_sentence(steps_at: dict[str, int]) -> str:
+    counts = ", ".join(f"{steps} at {threads}" for threads, steps in steps_at.items())
+    return (
+        f"Steps per intra-op thread count ({counts}): the trainer keeps whichever count "
+        "measured faster, because a starved second thread slows a 2-thread step down."
+    )
+
+
 def _expert_lines(expert: dict) -> list[str]:
     num_experts = len(expert["fractions"][0])
     header = "| layer | " + " | ".join(f"e{i}" for i in range(num_experts)) + " | max/mean |"
@@ -150,8 +158,8 @@ def _sample_lines(samples: list[dict[str, str]]) -> list[str]:
     return lines
 
 
-def render_card(log: dict, weights_bytes: int) -> str:
-    """The README.md text for one model."""
+def render_card(log: dict, config: dict, weights_bytes: int) -> str:
+    """The README.md text for one model; ``config`` is its saved config.json."""
     name = log["preset"]
     held_out = log["held_out"]
     python_version = platform.python_version()
@@ -191,7 +199,7 @@ def render_card(log: dict, weights_bytes: int) -> str:
         "",
         "| | |",
         "| --- | --- |",
-        *_architecture_rows(log),
+        *_architecture_rows(log, config),
         f"| parameters | {log['num_parameters']:,} |",
         f"| weights file | {weights_bytes / 1e6:.1f} MB (fp32 safetensors) |",
         "",
@@ -200,9 +208,10 @@ def render_card(log: dict, weights_bytes: int) -> str:
         *_schedule_lines(log),
         "",
         f"Tokens seen: {log['tokens_seen']:,} ({log['epochs']:.2f} epochs) in {log['steps']} "
-        f"steps; wall time {log['train_seconds'] / 60:.1f} min on {log['torch_threads']} CPU "
-        f"threads ({log['tokens_per_second']:.0f} tokens/s, torch {log['torch_version']}, "
-        f"Python {sys.version.split()[0]}), sharing the machine with other work.",
+        f"steps; wall time {log['train_seconds'] / 60:.1f} min "
+        f"({log['tokens_per_second']:.0f} tokens/s) on a 2-core CPU shared with other work, "
+        f"at low priority, torch {log['torch_version']}, Python {sys.version.split()[0]}. "
+        f"{_thread_sentence(log['steps_at_thread_count'])}",
         "",
         "![loss curve](loss_curve.png)",
         "",
