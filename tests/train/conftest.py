@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenmill.train.corpus import stdlib_root
+from tokenmill.train.presets import Phase, Preset, Schedule
 from tokenmill.train.tokenizer import save_tokenizer, train_bpe
 
 torch.set_num_threads(2)
@@ -43,3 +44,38 @@ def committed_model_dir(name: str) -> Path:
     if not (path / "model.safetensors").is_file():
         pytest.skip(f"models/{name} is not trained yet (run scripts/train_default_models.sh)")
     return path
+
+
+TINY_CONFIG = {
+    "vocab_size": 400,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "max_position_embeddings": 2048,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    "tie_word_embeddings": True,
+    "bos_token_id": 0,
+    "eos_token_id": 0,
+    "pad_token_id": 0,
+}
+
+
+def tiny_preset(architecture: str, steps: int) -> Preset:
+    config = dict(TINY_CONFIG)
+    if architecture == "mixtral":
+        config |= {"num_local_experts": 4, "num_experts_per_tok": 2}
+    schedule = Schedule(
+        phases=(
+            Phase(steps=steps, seq_len=64, batch_size=4),
+            Phase(steps=2, seq_len=128, batch_size=2),
+        ),
+        peak_lr=1e-2,
+        warmup_steps=5,
+        eval_every=20,
+        eval_windows=2,
+        eval_seq_len=64,
+    )
+    return Preset(f"tiny-{architecture}", architecture, config, schedule, "test model")

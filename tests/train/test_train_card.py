@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from tests.train.test_train_trainer import tiny_preset
+from tests.train.conftest import tiny_preset
 from tokenmill.train.card import write_model_card
 from tokenmill.train.corpus import is_held_out
 from tokenmill.train.trainer import train_model

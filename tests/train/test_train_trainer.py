@@ -9,44 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tests.train.conftest import tiny_preset
 from tokenmill.train.clock import TrainingClock, learning_rate
 from tokenmill.train.evaluation import expert_load, imbalance_factor
 from tokenmill.train.presets import Phase, Preset, Schedule
 from tokenmill.train.trainer import train_model
-
-TINY_CONFIG = {
-    "vocab_size": 400,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 2048,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    "tie_word_embeddings": True,
-    "bos_token_id": 0,
-    "eos_token_id": 0,
-    "pad_token_id": 0,
-}
-
-
-def tiny_preset(architecture: str, steps: int) -> Preset:
-    config = dict(TINY_CONFIG)
-    if architecture == "mixtral":
-        config |= {"num_local_experts": 4, "num_experts_per_tok": 2}
-    schedule = Schedule(
-        phases=(
-            Phase(steps=steps, seq_len=64, batch_size=4),
-            Phase(steps=2, seq_len=128, batch_size=2),
-        ),
-        peak_lr=1e-2,
-        warmup_steps=5,
-        eval_every=20,
-        eval_windows=2,
-        eval_seq_len=64,
-    )
-    return Preset(f"tiny-{architecture}", architecture, config, schedule, "test model")
 
 
 def run(tmp_path, tokenizer_dir, train_texts, held_out_texts, architecture="llama", steps=60):
