@@ -45,3 +45,23 @@ def test_moe_card_has_expert_load_samples_and_numbers(
     fractions = measured["expert_load"]["fractions"]
     assert len(fractions) == 1 and abs(sum(fractions[0]) - 1.0) < 1e-9
     assert min(measured["expert_load"]["imbalance"]) >= 1.0
+
+
+def test_card_of_a_continued_model_lists_both_stages(
+    tmp_path, tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts
+):
+    out_dir = tmp_path / "tiny-llama"
+    for init_from in (None, out_dir):
+        train_model(
+            tiny_preset("llama", steps=4),
+            tiny_tokenizer_dir,
+            out_dir,
+            tiny_train_texts,
+            tiny_held_out_texts,
+            show_progress=False,
+            init_from=init_from,
+        )
+    card = write_model_card(out_dir).read_text()
+    assert "### Stage 1 (from random initialisation)" in card
+    assert "### Stage 2 (from the previous stage's weights)" in card
+    assert "## Expert load" not in card

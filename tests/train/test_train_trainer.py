@@ -119,8 +119,9 @@ def test_wall_clock_budget_stops_the_main_phase_and_still_runs_the_final_phase(
         show_progress=False,
         max_seconds=2.0,
     )
-    assert 0 < log["phase_steps"][0] < 100_000
-    assert log["phase_steps"][1] == 2
+    (stage,) = log["stages"]
+    assert 0 < stage["phase_steps"][0] < 100_000
+    assert stage["phase_steps"][1] == 2
 
 
 def test_schedule_rejects_out_of_range_fields():
@@ -130,3 +131,28 @@ def test_schedule_rejects_out_of_range_fields():
         Schedule(phases=())
     with pytest.raises(ValueError, match="architecture"):
         Preset("x", "gpt2", {}, Schedule(phases=(Phase(1, 64, 1),)), "")
+
+
+def test_continuing_from_a_saved_model_adds_a_stage_and_one_continuous_curve(
+    tmp_path, tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts
+):
+    first, out_dir = run(
+        tmp_path, tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts, steps=20
+    )
+    preset = tiny_preset("llama", 10).with_optimizer(peak_lr=3e-3, warmup_steps=2)
+    second = train_model(
+        preset,
+        tiny_tokenizer_dir,
+        out_dir,
+        tiny_train_texts,
+        tiny_held_out_texts,
+        show_progress=False,
+        init_from=out_dir,
+    )
+    assert [stage["init"] for stage in second["stages"]] == ["random", "continued"]
+    assert second["steps"] == first["steps"] + 12
+    assert second["tokens_seen"] == first["tokens_seen"] + second["stages"][1]["tokens_seen"]
+    assert second["history"]["steps"] == list(range(1, second["steps"] + 1))
+    assert second["history"]["train_loss"][: first["steps"]] == first["history"]["train_loss"]
+    # Starting from trained weights, the first continued step is already far below random.
+    assert second["history"]["train_loss"][first["steps"]] < first["history"]["train_loss"][0] - 1

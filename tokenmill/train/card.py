@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tokenmill.train.corpus import HELD_OUT_BUCKETS, held_out_texts
 from tokenmill.train.evaluation import expert_load, greedy_samples, imbalance_factor
 from tokenmill.train.packing import evaluation_windows, pack_documents
+from tokenmill.train.trainlog import stages_of
 
 EXPERT_LOAD_SEQ_LEN = 512
 
@@ -31,7 +32,9 @@ def measure(model_dir: Path, corpus_root: Path | None) -> dict:
     result: dict = {"samples": greedy_samples(model, tokenizer)}
     if getattr(model.config, "num_local_experts", None):
         tokens = pack_documents(
-            tokenizer.backend_tokenizer, held_out_texts(corpus_root), tokenizer.eos_token_id
+            tokenizer.backend_tokenizer,
+            held_out_texts(corpus_root),
+            tokenizer.eos_token_id,
         )
         windows = evaluation_windows(tokens, EXPERT_LOAD_SEQ_LEN, None)
         fractions = expert_load(model, windows, batch_size=8)
@@ -88,33 +91,46 @@ def _architecture_rows(log: dict, config: dict) -> list[str]:
     return [f"| {name} | {value} |" for name, value in rows]
 
 
-def _schedule_lines(log: dict) -> list[str]:
-    schedule = log["schedule"]
-    lines = [
+def _stage_lines(index: int, stage: dict, num_stages: int) -> list[str]:
+    schedule = stage["schedule"]
+    start = "random initialisation" if stage["init"] == "random" else "the previous stage's weights"
+    lines = []
+    if num_stages > 1:
+        lines += [f"### Stage {index + 1} (from {start})", ""]
+    lines += [
         "| phase | steps | sequence length | batch | tokens / step | wall time |",
         "| --- | --- | --- | --- | --- | --- |",
     ]
-    phases = zip(schedule["phases"], log["phase_steps"], log["phase_seconds"], strict=True)
-    for index, (phase, steps, seconds) in enumerate(phases):
+    phases = zip(schedule["phases"], stage["phase_steps"], stage["phase_seconds"], strict=True)
+    for number, (phase, steps, seconds) in enumerate(phases, start=1):
         lines.append(
-            f"| {index + 1} | {steps} of {phase['steps']} planned | {phase['seq_len']} | {phase['batch_size']} | "
-            f"{phase['seq_len'] * phase['batch_size']} | {seconds / 60:.1f} min |"
+            f"| {number} | {steps} of {phase['steps']} planned | {phase['seq_len']} | "
+            f"{phase['batch_size']} | {phase['seq_len'] * phase['batch_size']} | "
+            f"{seconds / 60:.1f} min |"
         )
-    lines.append("")
-    lines.append(
+    lines += [
+        "",
         f"AdamW (betas {schedule['beta1']}, {schedule['beta2']}, weight decay "
         f"{schedule['weight_decay']} on matrices), peak LR {schedule['peak_lr']} after "
         f"{schedule['warmup_steps']} warmup steps, cosine decay to "
         f"{schedule['min_lr_ratio']}x peak, gradient clipping {schedule['grad_clip']}, "
-        f"seed {schedule['seed']}."
-    )
-    if log.get("max_seconds"):
+        f"seed {schedule['seed']}. {_thread_sentence(stage['steps_at_thread_count'])}",
+    ]
+    if stage.get("max_seconds"):
         lines += [
             "",
-            f"The run had a wall-clock budget of {log['max_seconds'] / 60:.0f} min: the short-"
-            "context phase stops when 90% of it is spent (the cosine schedule follows the "
-            "larger of step and time progress), then the 2048 phase runs in full.",
+            f"Wall-clock budget {stage['max_seconds'] / 60:.0f} min: the short-context phase "
+            "stops when 90% of it is spent (the cosine schedule follows the larger of step and "
+            "time progress), then the 2048 phase runs in full.",
         ]
+    return lines + [""]
+
+
+def _schedule_lines(log: dict) -> list[str]:
+    stages = stages_of(log)
+    lines = []
+    for index, stage in enumerate(stages):
+        lines += _stage_lines(index, stage, len(stages))
     return lines
 
 
@@ -122,7 +138,7 @@ def _thread_sentence(steps_at: dict[str, int]) -> str:
     counts = ", ".join(f"{steps} at {threads}" for threads, steps in steps_at.items())
     return (
         f"Steps per intra-op thread count ({counts}): the trainer keeps whichever count "
-        "measured faster, because a starved second thread slows a 2-thread step down."
+        "measured faster, since a starved second thread slows a 2-thread step down."
     )
 
 
@@ -210,8 +226,7 @@ def render_card(log: dict, config: dict, weights_bytes: int) -> str:
         f"Tokens seen: {log['tokens_seen']:,} ({log['epochs']:.2f} epochs) in {log['steps']} "
         f"steps; wall time {log['train_seconds'] / 60:.1f} min "
         f"({log['tokens_per_second']:.0f} tokens/s) on a 2-core CPU shared with other work, "
-        f"at low priority, torch {log['torch_version']}, Python {sys.version.split()[0]}. "
-        f"{_thread_sentence(log['steps_at_thread_count'])}",
+        f"at low priority, torch {log['torch_version']}, Python {sys.version.split()[0]}.",
         "",
         "![loss curve](loss_curve.png)",
         "",

@@ -16,7 +16,8 @@ from tokenmill.train.presets import PRESETS
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tokenmill-train", description="Train tokenmill's default models on the Python stdlib."
+        prog="tokenmill-train",
+        description="Train tokenmill's default models on the Python stdlib.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -38,6 +39,14 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="wall-clock cap; the main phase stops early if the machine is slower than planned",
     )
+    model.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue from this trained model directory (a new stage in its log)",
+    )
+    model.add_argument("--peak-lr", type=float, default=None, help="override the preset's")
+    model.add_argument("--warmup-steps", type=int, default=None, help="override the preset's")
     model.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     card = commands.add_parser("card", help="measure a trained model and write its README.md")
@@ -64,6 +73,7 @@ def _run_model(args: argparse.Namespace) -> int:
 
     vocab_size = len(load_tokenizer(args.tokenizer))
     preset = get_preset(args.preset, vocab_size).with_steps(args.steps, args.final_steps)
+    preset = preset.with_optimizer(args.peak_lr, args.warmup_steps)
     train, held_out = split_sources(read_sources(args.corpus_root))
     log = train_model(
         preset,
@@ -73,6 +83,7 @@ def _run_model(args: argparse.Namespace) -> int:
         [source.text for source in held_out],
         show_progress=not args.no_progress,
         max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
+        init_from=args.init_from,
     )
     summary = {
         key: log[key] for key in ("num_parameters", "tokens_seen", "train_seconds", "held_out")

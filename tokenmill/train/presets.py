@@ -95,6 +95,15 @@ class Preset:
             phases[-1] = replace(phases[-1], steps=final_steps)
         return replace(self, schedule=replace(self.schedule, phases=tuple(phases)))
 
+    def with_optimizer(self, peak_lr: float | None, warmup_steps: int | None) -> Preset:
+        """This preset with the peak learning rate and/or warmup length replaced."""
+        changes: dict[str, Any] = {}
+        if peak_lr is not None:
+            changes["peak_lr"] = peak_lr
+        if warmup_steps is not None:
+            changes["warmup_steps"] = warmup_steps
+        return replace(self, schedule=replace(self.schedule, **changes))
+
 
 def _common_config(vocab_size: int) -> dict[str, Any]:
     return {
@@ -149,7 +158,11 @@ def pycoder_draft(vocab_size: int = 8192) -> Preset:
         peak_lr=3e-3,
     )
     return Preset(
-        "pycoder-draft", "llama", config, schedule, "small Llama drafter for speculative decoding"
+        "pycoder-draft",
+        "llama",
+        config,
+        schedule,
+        "small Llama drafter for speculative decoding",
     )
 
 
@@ -176,7 +189,11 @@ def pycoder_moe(vocab_size: int = 8192) -> Preset:
     return Preset("pycoder-moe", "mixtral", config, schedule, "Mixtral, 8 experts, top-2 routing")
 
 
-PRESETS = {"pycoder": pycoder, "pycoder-draft": pycoder_draft, "pycoder-moe": pycoder_moe}
+PRESETS = {
+    "pycoder": pycoder,
+    "pycoder-draft": pycoder_draft,
+    "pycoder-moe": pycoder_moe,
+}
 
 
 def get_preset(name: str, vocab_size: int = 8192) -> Preset:

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 from transformers import (
+    AutoModelForCausalLM,
     GenerationConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -33,6 +34,7 @@ from tokenmill.train.packing import evaluation_windows, pack_documents, training
 from tokenmill.train.presets import Preset, Schedule
 from tokenmill.train.threads import ThreadChooser
 from tokenmill.train.tokenizer import END_OF_TEXT, copy_tokenizer_files, load_tokenizer
+from tokenmill.train.trainlog import STAGE_KEYS, continue_history, stages_of
 
 TRAIN_THREADS = 2
 FINAL_EVAL_SEQ_LENS = (512, 2048)
@@ -121,7 +123,12 @@ def run_schedule(
     threads = ThreadChooser(choices=(TRAIN_THREADS, 1))
     history = TrainHistory()
     stats = RunStats()
-    bar = tqdm(total=schedule.total_steps, disable=not show_progress, mininterval=20, ascii=True)
+    bar = tqdm(
+        total=schedule.total_steps,
+        disable=not show_progress,
+        mininterval=20,
+        ascii=True,
+    )
     for phase_index, phase in enumerate(schedule.phases):
         phase_started = time.perf_counter()
         if clock.is_final_phase(phase_index):
@@ -188,11 +195,13 @@ def train_model(
     held_out_texts: list[str],
     show_progress: bool = True,
     max_seconds: float | None = None,
+    init_from: Path | None = None,
 ) -> dict:
     """Train ``preset`` and write a loadable model directory; returns the train log.
 
     ``max_seconds`` caps the wall time of the training loop (see ``TrainingClock``);
-    without it the run takes exactly the schedule's steps.
+    without it the run takes exactly the schedule's steps.  ``init_from`` continues
+    from a model directory this trainer wrote, as a new stage of its log.
     """
     torch.set_num_threads(TRAIN_THREADS)
     schedule = preset.schedule
@@ -203,35 +212,61 @@ def train_model(
     eval_windows = evaluation_windows(held_out_tokens, schedule.eval_seq_len, schedule.eval_windows)
 
     torch.manual_seed(schedule.seed)
-    model = build_model(preset)
+    if init_from is None:
+        model, earlier = build_model(preset), None
+    else:
+        model, earlier = load_for_continuation(preset, init_from)
     history, stats = run_schedule(
         model, schedule, train_tokens, eval_windows, show_progress, max_seconds
     )
     held_out = final_held_out(model, held_out_tokens)
     save_model_dir(model, tokenizer_dir, out_dir)
 
+    stage = {key: value for key, value in asdict(stats).items() if key in STAGE_KEYS}
+    stage |= {
+        "init": "random" if earlier is None else "continued",
+        "schedule": asdict(schedule),
+    }
+    stage["max_seconds"] = max_seconds
+    stages = ([] if earlier is None else stages_of(earlier)) + [stage]
+    curve = asdict(history)
+    if earlier is not None:
+        curve = continue_history(earlier["history"], curve)
+    total_tokens = sum(s["tokens_seen"] for s in stages)
+    total_seconds = sum(s["train_seconds"] for s in stages)
     log = {
         "preset": preset.name,
         "architecture": preset.architecture,
         "model_class": type(model).__name__,
         "config": preset.config,
-        "schedule": asdict(schedule),
         "num_parameters": sum(p.numel() for p in model.parameters()),
         "train_tokens_in_corpus": int(train_tokens.numel()),
         "held_out_tokens_in_corpus": int(held_out_tokens.numel()),
-        "epochs": stats.tokens_seen / train_tokens.numel(),
-        **asdict(stats),
-        "max_seconds": max_seconds,
-        "tokens_per_second": stats.tokens_seen / stats.train_seconds,
+        "steps": sum(s["steps"] for s in stages),
+        "tokens_seen": total_tokens,
+        "train_seconds": total_seconds,
+        "epochs": total_tokens / train_tokens.numel(),
+        "tokens_per_second": total_tokens / total_seconds,
         "torch_threads": TRAIN_THREADS,
         "torch_version": torch.__version__,
         "final_train_loss": history.train_loss[-1] if history.train_loss else None,
         "held_out": held_out,
-        "history": asdict(history),
+        "stages": stages,
+        "history": curve,
     }
     (out_dir / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    plot_loss_curve(history, preset.name, out_dir / "loss_curve.png")
+    plot_loss_curve(TrainHistory(**curve), preset.name, out_dir / "loss_curve.png")
     return log
+
+
+def load_for_continuation(preset: Preset, model_dir: Path) -> tuple[PreTrainedModel, dict]:
+    """The saved model in ``model_dir`` and its train log, checked against ``preset``."""
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    expected = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM"}[preset.architecture]
+    if type(model).__name__ != expected:
+        raise ValueError(f"{model_dir} holds a {type(model).__name__}, preset needs {expected}")
+    earlier = json.loads((model_dir / "train_log.json").read_text())
+    return model, earlier
 
 
 def save_model_dir(model: PreTrainedModel, tokenizer_dir: Path, out_dir: Path) -> None:
