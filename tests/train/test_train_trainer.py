@@ -129,6 +129,8 @@ def test_schedule_rejects_out_of_range_fields():
         Phase(steps=1, seq_len=4096, batch_size=1)
     with pytest.raises(ValueError, match="phases"):
         Schedule(phases=())
+    with pytest.raises(ValueError, match="peak_lr"):
+        tiny_preset("llama", 5).with_schedule(peak_lr=-1.0)
     with pytest.raises(ValueError, match="architecture"):
         Preset("x", "gpt2", {}, Schedule(phases=(Phase(1, 64, 1),)), "")
 
@@ -139,7 +141,7 @@ def test_continuing_from_a_saved_model_adds_a_stage_and_one_continuous_curve(
     first, out_dir = run(
         tmp_path, tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts, steps=20
     )
-    preset = tiny_preset("llama", 10).with_optimizer(peak_lr=3e-3, warmup_steps=2)
+    preset = tiny_preset("llama", 10).with_schedule(peak_lr=3e-3, warmup_steps=2, seed=1)
     second = train_model(
         preset,
         tiny_tokenizer_dir,

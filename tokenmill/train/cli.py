@@ -47,6 +47,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument("--peak-lr", type=float, default=None, help="override the preset's")
     model.add_argument("--warmup-steps", type=int, default=None, help="override the preset's")
+    model.add_argument("--seed", type=int, default=None, help="override the preset's (0)")
     model.add_argument("--no-progress", action="store_true", help="hide the progress bar")
 
     card = commands.add_parser("card", help="measure a trained model and write its README.md")
@@ -73,7 +74,9 @@ def _run_model(args: argparse.Namespace) -> int:
 
     vocab_size = len(load_tokenizer(args.tokenizer))
     preset = get_preset(args.preset, vocab_size).with_steps(args.steps, args.final_steps)
-    preset = preset.with_optimizer(args.peak_lr, args.warmup_steps)
+    preset = preset.with_schedule(
+        peak_lr=args.peak_lr, warmup_steps=args.warmup_steps, seed=args.seed
+    )
     train, held_out = split_sources(read_sources(args.corpus_root))
     log = train_model(
         preset,

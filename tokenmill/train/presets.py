@@ -95,13 +95,13 @@ class Preset:
             phases[-1] = replace(phases[-1], steps=final_steps)
         return replace(self, schedule=replace(self.schedule, phases=tuple(phases)))
 
-    def with_optimizer(self, peak_lr: float | None, warmup_steps: int | None) -> Preset:
-        """This preset with the peak learning rate and/or warmup length replaced."""
-        changes: dict[str, Any] = {}
-        if peak_lr is not None:
-            changes["peak_lr"] = peak_lr
-        if warmup_steps is not None:
-            changes["warmup_steps"] = warmup_steps
+    def with_schedule(self, **overrides: Any) -> Preset:
+        """This preset with the given ``Schedule`` fields replaced (``None`` keeps a field).
+
+        A continued stage passes a new ``seed`` so its batches are not the earlier
+        stage's batches in the same order.
+        """
+        changes = {name: value for name, value in overrides.items() if value is not None}
         return replace(self, schedule=replace(self.schedule, **changes))
 
 
