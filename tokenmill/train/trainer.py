@@ -222,12 +222,7 @@ def train_model(
     held_out = final_held_out(model, held_out_tokens)
     save_model_dir(model, tokenizer_dir, out_dir)
 
-    stage = {key: value for key, value in asdict(stats).items() if key in STAGE_KEYS}
-    stage |= {
-        "init": "random" if earlier is None else "continued",
-        "schedule": asdict(schedule),
-    }
-    stage["max_seconds"] = max_seconds
+    stage = stage_record(stats, schedule, max_seconds, continued=earlier is not None)
     stages = ([] if earlier is None else stages_of(earlier)) + [stage]
     curve = asdict(history)
     if earlier is not None:
@@ -257,6 +252,17 @@ def train_model(
     (out_dir / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
     plot_loss_curve(TrainHistory(**curve), preset.name, out_dir / "loss_curve.png")
     return log
+
+
+def stage_record(
+    stats: RunStats, schedule: Schedule, max_seconds: float | None, continued: bool
+) -> dict:
+    """One entry of the log's ``"stages"``: this run's schedule and timings."""
+    record = {key: value for key, value in asdict(stats).items() if key in STAGE_KEYS}
+    record["init"] = "continued" if continued else "random"
+    record["schedule"] = asdict(schedule)
+    record["max_seconds"] = max_seconds
+    return record
 
 
 def load_for_continuation(preset: Preset, model_dir: Path) -> tuple[PreTrainedModel, dict]:
