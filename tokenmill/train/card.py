@@ -123,14 +123,14 @@ def _stage_lines(index: int, stage: dict, num_stages: int) -> list[str]:
             "stops when 90% of it is spent (the cosine schedule follows the larger of step and "
             "time progress), then the 2048 phase runs in full.",
         ]
-    return lines + [""]
+    return lines
 
 
 def _schedule_lines(log: dict) -> list[str]:
     stages = stages_of(log)
     lines = []
     for index, stage in enumerate(stages):
-        lines += _stage_lines(index, stage, len(stages))
+        lines += ([""] if index else []) + _stage_lines(index, stage, len(stages))
     return lines
 
 
