@@ -1,0 +1,1 @@
+"""Training tokenmill's embedded default models (tokenizer, weights, model cards)."""

@@ -1,0 +1,110 @@
+"""Command line for training tokenmill's default models.
+
+python -m tokenmill.train tokenizer --out models/pycoder
+python -m tokenmill.train model --preset pycoder --tokenizer models/pycoder --out models/pycoder
+python -m tokenmill.train card --model models/pycoder
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tokenmill.train.presets import PRESETS
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tokenmill-train",
+        description="Train tokenmill's default models on the Python stdlib.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    tokenizer = commands.add_parser("tokenizer", help="train the byte-level BPE tokenizer")
+    tokenizer.add_argument("--out", type=Path, required=True, help="directory to write it to")
+    tokenizer.add_argument("--vocab-size", type=int, default=8192)
+    tokenizer.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
+
+    model = commands.add_parser("model", help="train a model from random initialisation")
+    model.add_argument("--preset", choices=sorted(PRESETS), required=True)
+    model.add_argument("--tokenizer", type=Path, required=True, help="tokenizer directory")
+    model.add_argument("--out", type=Path, required=True, help="model directory to write")
+    model.add_argument("--steps", type=int, default=None, help="steps of the main (short) phase")
+    model.add_argument("--final-steps", type=int, default=None, help="steps of the 2048 phase")
+    model.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
+    model.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        help="wall-clock cap; the main phase stops early if the machine is slower than planned",
+    )
+    model.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="continue from this trained model directory (a new stage in its log)",
+    )
+    model.add_argument("--peak-lr", type=float, default=None, help="override the preset's")
+    model.add_argument("--warmup-steps", type=int, default=None, help="override the preset's")
+    model.add_argument("--seed", type=int, default=None, help="override the preset's (0)")
+    model.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+    card = commands.add_parser("card", help="measure a trained model and write its README.md")
+    card.add_argument("--model", type=Path, required=True, help="trained model directory")
+    card.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
+    return parser
+
+
+def _run_tokenizer(args: argparse.Namespace) -> int:
+    from tokenmill.train.corpus import training_texts
+    from tokenmill.train.tokenizer import save_tokenizer, train_bpe
+
+    tokenizer = train_bpe(training_texts(args.corpus_root), vocab_size=args.vocab_size)
+    save_tokenizer(tokenizer, args.out)
+    print(f"wrote tokenizer with {tokenizer.get_vocab_size()} tokens to {args.out}")
+    return 0
+
+
+def _run_model(args: argparse.Namespace) -> int:
+    from tokenmill.train.corpus import read_sources, split_sources
+    from tokenmill.train.presets import get_preset
+    from tokenmill.train.tokenizer import load_tokenizer
+    from tokenmill.train.trainer import train_model
+
+    vocab_size = len(load_tokenizer(args.tokenizer))
+    preset = get_preset(args.preset, vocab_size).with_steps(args.steps, args.final_steps)
+    preset = preset.with_schedule(
+        peak_lr=args.peak_lr, warmup_steps=args.warmup_steps, seed=args.seed
+    )
+    train, held_out = split_sources(read_sources(args.corpus_root))
+    log = train_model(
+        preset,
+        args.tokenizer,
+        args.out,
+        [source.text for source in train],
+        [source.text for source in held_out],
+        show_progress=not args.no_progress,
+        max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
+        init_from=args.init_from,
+    )
+    summary = {
+        key: log[key] for key in ("num_parameters", "tokens_seen", "train_seconds", "held_out")
+    }
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _run_card(args: argparse.Namespace) -> int:
+    from tokenmill.train.card import write_model_card
+
+    path = write_model_card(args.model, args.corpus_root)
+    print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; ``argv`` excludes the program name (``None`` reads ``sys.argv``)."""
+    args = _build_parser().parse_args(argv)
+    runners = {"tokenizer": _run_tokenizer, "model": _run_model, "card": _run_card}
+    return runners[args.command](args)
