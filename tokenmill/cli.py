@@ -180,10 +180,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_subcommands(sub)
     add_plan_subcommand(sub)
     add_profile_subcommand(sub)
+    # Listed for --help; `main` hands its arguments to tokenmill.train's own parser.
+    sub.add_parser("train", add_help=False,
+                   help="train the tokenizer and default models (tokenmill train --help)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["train"]:
+        from tokenmill.train.cli import main as train_main
+
+        return train_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),

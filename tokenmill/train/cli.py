@@ -16,7 +16,7 @@ from tokenmill.train.presets import PRESETS
 
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="tokenmill-train",
+        prog="tokenmill train",
         description="Train tokenmill's default models on the Python stdlib.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
