@@ -146,7 +146,9 @@ def main() -> int:
     decode["roofline_ms"] = roofline_ms
     results["decode"] = decode
     prefill = bench_prefill(llm, hf, rng, args.repeats)
-    flops = 2 * params * 512
+    # Per prompt token every weight but the embedding table is multiplied once (the LM
+    # head only at the last position, tied or not).
+    flops = 2 * (params - hf.get_input_embeddings().weight.numel()) * 512
     prefill["tokenmill_gflops"] = flops / prefill["tokenmill_s"] / 1e9
     prefill["transformers_gflops"] = flops / prefill["transformers_s"] / 1e9
     results["prefill"] = prefill
