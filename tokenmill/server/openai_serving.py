@@ -155,15 +155,13 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._add_all(request_id, prompts, params)
         shaper = CompletionShaper(self, req, prompts, echo_only)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _sse(self._stream(streams, shaper, request_id, include_usage))
-        finals = await self._collect(streams, raw)
-        if finals is None:
-            return Response(status_code=499)
-        choices = [choice for i, final in enumerate(finals) for choice in shaper.final(i, final)]
-        return _json(CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                        usage=shaper.usage(finals)))
+
+        def response(finals: list[RequestOutput]) -> CompletionResponse:
+            choices = [c for i, final in enumerate(finals) for c in shaper.final(i, final)]
+            return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=shaper.usage(finals))
+
+        return await self._respond(req, raw, streams, shaper, request_id, response)
 
     # ---- chat -------------------------------------------------------------------------
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request) -> Response:
@@ -181,17 +179,26 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._add_all(request_id, [prompt], params)
         shaper = ChatShaper(self, req, [prompt])
+
+        def response(finals: list[RequestOutput]) -> ChatCompletionResponse:
+            return ChatCompletionResponse(id=request_id, model=self.model_name,
+                                          choices=shaper.final(0, finals[0]),
+                                          usage=shaper.usage(finals))
+
+        return await self._respond(req, raw, streams, shaper, request_id, response)
+
+    # ---- driving the streams -----------------------------------------------------------
+    async def _respond(self, req, raw: Request, streams: list[RequestStream], shaper,
+                       request_id: str, build_response) -> Response:
+        """Stream server-sent events, or wait for every completion and build one body."""
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _sse(self._stream(streams, shaper, request_id, include_usage))
         finals = await self._collect(streams, raw)
         if finals is None:
             return Response(status_code=499)
-        return _json(ChatCompletionResponse(id=request_id, model=self.model_name,
-                                            choices=shaper.final(0, finals[0]),
-                                            usage=shaper.usage(finals)))
+        return _json(build_response(finals))
 
-    # ---- driving the streams -----------------------------------------------------------
     async def _collect(self, streams: list[RequestStream], raw: Request
                        ) -> list[RequestOutput] | None:
         """Final outputs in prompt order, or None when the client went away (aborted)."""
