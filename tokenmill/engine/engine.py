@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -19,7 +19,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.memory import plan_kv_blocks
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.model.loader import load_model
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -50,7 +50,6 @@ class EngineStats:
     generation_tokens: int = 0
     num_steps: int = 0
     finished_requests: int = 0
-    step_token_counts: list[int] = field(default_factory=list, repr=False)
 
 
 class LLMEngine:
@@ -186,7 +185,6 @@ class LLMEngine:
                   for r, _ in sched.scheduled}
         result = self.runner.execute(sched, tables)
         self.stats.num_steps += 1
-        self.stats.step_token_counts.append(sched.num_batched_tokens)
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
         for request, num_new in sched.scheduled:
@@ -281,5 +279,3 @@ class LLMEngine:
                     final[output.request_id] = output
         return final
 
-
-__all__ = ["LLMEngine", "RequestStatus"]
