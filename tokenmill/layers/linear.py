@@ -2,7 +2,7 @@
 
 Checkpoints store a weight as [out, in]. On CPU, one-row products (batch-1 decode)
 with a wide matrix (out > in: fused QKV, gate/up, the LM head) stream the weight
-about twice as fast when it is stored [in, out] and multiplied as `x @ W` than through
+about 1.7x as fast when it is stored [in, out] and multiplied as `x @ W` than through
 `F.linear` on [out, in] (measured: benchmarks/bench_linear_layout.py), while tall
 matrices (down_proj) are faster in the checkpoint layout. The layout is fixed at
 construction; loading transposes checkpoint tensors as they are copied in.
