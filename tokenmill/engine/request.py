@@ -56,6 +56,10 @@ class Request:
             [None] if sampling_params.prompt_logprobs is not None else None)
         # Detokenized text so far (owned by the detokenizer).
         self.output_text = ""
+        # Speculative tokens proposed for this step (not yet verified) and, for sampled
+        # requests, the draft distribution each was drawn from ([k, vocab] or None).
+        self.spec_token_ids: list[int] = []
+        self.spec_probs = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -65,28 +65,45 @@ class ModelRunner:
             self._request_generators[request.request_id] = gen
         return gen
 
-    @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
+    def prepare(self, scheduled: list[tuple[Request, int]], block_tables: dict[str, list[int]]
+                ) -> tuple[list[tuple[Request, int]], torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The flattened batch for (request, num_new_tokens) pairs.
+
+        Returns (batch order, token ids, positions, attention metadata). A request's
+        tokens are all_token_ids followed by its speculative tokens (if any). Public so
+        that proposers with their own KV pool (draft model, EAGLE head) build their
+        batches the same way.
+        """
         # One new token on top of a cached context runs on the batched decode path.
-        decodes = [(r, n) for r, n in sched.scheduled if n == 1 and r.num_computed_tokens > 0]
+        decodes = [(r, n) for r, n in scheduled if n == 1 and r.num_computed_tokens > 0]
         decode_ids = {id(r) for r, _ in decodes}
-        prefills = [(r, n) for r, n in sched.scheduled if id(r) not in decode_ids]
+        prefills = [(r, n) for r, n in scheduled if id(r) not in decode_ids]
         ordered = decodes + prefills
 
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
+        size = self.block_size
         for request, num_new in ordered:
             start = request.num_computed_tokens
             table = block_tables[request.request_id]
-            tokens.extend(request.all_token_ids[start:start + num_new])
+            ids = request.all_token_ids
+            if start + num_new > len(ids):
+                ids = ids + request.spec_token_ids
+            tokens.extend(ids[start:start + num_new])
             for pos in range(start, start + num_new):
                 positions.append(pos)
-                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+                slots.append(table[pos // size] * size + pos % size)
         metadata = self._attention_metadata(decodes, prefills, block_tables, slots)
         device = self.device
         token_tensor = torch.tensor(tokens, dtype=torch.int64, device=device)
         position_tensor = torch.tensor(positions, dtype=torch.int64, device=device)
+        return ordered, token_tensor, position_tensor, metadata
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
+        ordered, token_tensor, position_tensor, metadata = self.prepare(sched.scheduled,
+                                                                        block_tables)
         tracer = self.tracer
         if tracer is not None:
             tracer.mark("prepare_inputs")

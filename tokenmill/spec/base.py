@@ -1,0 +1,50 @@
+"""The proposer interface every speculative method implements.
+
+A proposer guesses the next few tokens of running requests; the target model then
+checks all guesses of all requests in one forward pass (`tokenmill.spec.verify`).
+Proposers own whatever state they need (a draft model's paged KV, an EAGLE head's
+features) and must tolerate rollback: after verification a request's tokens may
+end earlier than what the proposer last saw, and the proposer has to notice that
+from `request.all_token_ids` and drop the stale tail of its state.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.engine.request import Request
+
+
+@dataclass
+class Proposal:
+    token_ids: list[int]
+    # [len(token_ids), vocab] float32: the draft distribution q each token was drawn
+    # from, after the request's own temperature / min-p / top-k / top-p processing
+    # (`tokenmill.spec.verify.processed_probs`). None when the proposal is
+    # deterministic (n-gram lookup, or greedy requests): q is then one-hot.
+    probs: torch.Tensor | None = None
+
+
+class Proposer(ABC):
+    name: str
+    # True: the engine calls observe() with the target's hidden states.
+    needs_hidden_states: bool = False
+
+    @abstractmethod
+    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
+        """Up to num_tokens[i] (>= 1) draft tokens continuing requests[i].all_token_ids.
+
+        May return fewer (or none) for a request: nothing is lost, that request just
+        decodes one token this step.
+        """
+
+    def observe(self, request: Request, first_position: int, hidden: torch.Tensor) -> None:
+        """Target hidden states (after the final norm, [n, hidden]) of positions
+        first_position .. first_position + n - 1 of `request`, whose tokens are now
+        verified (prefill chunks and accepted decode positions)."""
+
+    def release(self, request_id: str) -> None:
+        """The request finished or was preempted: drop its state and free its KV."""
