@@ -29,11 +29,10 @@ def _flag_type(field: dataclasses.Field) -> tuple[Any, tuple | None]:
     """(argparse type, choices) from a dataclass field's annotation."""
     annotation = field.type if not isinstance(field.type, str) else eval(  # noqa: S307
         field.type, vars(typing) | {"Literal": typing.Literal})
-    args = typing.get_args(annotation)
-    if typing.get_origin(annotation) is typing.Literal:
-        return str, args
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        annotation = next(a for a in args if a is not type(None))
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if typing.get_origin(annotation) is typing.Literal:
+        return str, typing.get_args(annotation)
     return annotation, None
 
 

@@ -16,6 +16,7 @@ CHUNK_POLICIES = ("fixed", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+SPEC_METHODS = ("ngram", "draft", "eagle")
 
 # The embedded default model, committed with the project.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pycoder"
@@ -125,10 +126,52 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: which proposer, how many tokens, when to back off."""
+
+    # None: off. ngram: prompt lookup; draft: a small model with the same tokenizer;
+    # eagle: a feature-level draft head trained for the target.
+    speculative_method: Literal["ngram", "draft", "eagle"] | None = None
+    # Most tokens proposed per request per step (k).
+    num_speculative_tokens: int = 4
+    # draft: the draft model directory (default: "<model>-draft" beside the target);
+    # eagle: the head directory (default: "<model>/eagle").
+    speculative_model: str | None = None
+    # ngram: longest and shortest suffix to look up in the prompt + output.
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 2
+    # draft / eagle: most requests per proposer forward (None: the whole batch).
+    draft_micro_batch: int | None = None
+    # Adaptive k: each request keeps an acceptance estimate and speculates only as
+    # many tokens as pay for their proposing and verifying cost (measured online);
+    # off: always k tokens.
+    spec_adaptive: bool = True
+    # While a request has stopped speculating, probe with one token every this many
+    # steps so it resumes when its text becomes predictable again.
+    spec_probe_interval: int = 16
+
+    def __post_init__(self) -> None:
+        if self.speculative_method is not None:
+            _require(self.speculative_method in SPEC_METHODS, "speculative_method",
+                     f"one of {SPEC_METHODS} or None", self.speculative_method)
+        _require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "in [1, 16]",
+                 self.num_speculative_tokens)
+        _require(self.prompt_lookup_min >= 1, "prompt_lookup_min", ">= 1", self.prompt_lookup_min)
+        _require(self.prompt_lookup_max >= self.prompt_lookup_min, "prompt_lookup_max",
+                 ">= prompt_lookup_min", self.prompt_lookup_max)
+        if self.draft_micro_batch is not None:
+            _require(self.draft_micro_batch >= 1, "draft_micro_batch", ">= 1",
+                     self.draft_micro_batch)
+        _require(self.spec_probe_interval >= 1, "spec_probe_interval", ">= 1",
+                 self.spec_probe_interval)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
         sched = self.scheduler
@@ -154,7 +197,8 @@ class EngineConfig:
         return dataclasses.replace(self, model=model)
 
 
-_PARTS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_PARTS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig,
+                           "scheduler": SchedulerConfig, "spec": SpecConfig}
 _FIELD_OWNER: dict[str, str] = {
     f.name: part for part, klass in _PARTS.items() for f in dataclasses.fields(klass)
 }

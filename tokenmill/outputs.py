@@ -27,6 +27,9 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: draft tokens verified for this request, and accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:

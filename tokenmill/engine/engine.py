@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -22,9 +22,11 @@ from tokenmill.engine.memory import plan_kv_blocks
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
 from tokenmill.model.loader import load_model
-from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.controller import SpecController
+from tokenmill.spec.factory import build_proposer
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +52,38 @@ class EngineStats:
     generation_tokens: int = 0
     num_steps: int = 0
     finished_requests: int = 0
+    # Speculative decoding: draft tokens verified and accepted, and per draft position
+    # (0 = the first token after the context) how many were verified and accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+    spec_drafted_by_position: list[int] = field(default_factory=list)
+    spec_accepted_by_position: list[int] = field(default_factory=list)
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        if not self.spec_draft_tokens:
+            return None
+        return self.spec_accepted_tokens / self.spec_draft_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verification (accepted drafts + the target's token)."""
+        if not self.spec_verifications:
+            return None
+        return (self.spec_accepted_tokens + self.spec_verifications) / self.spec_verifications
+
+    def record_verification(self, num_drafted: int, num_accepted: int) -> None:
+        self.spec_verifications += 1
+        self.spec_draft_tokens += num_drafted
+        self.spec_accepted_tokens += num_accepted
+        grow = num_drafted - len(self.spec_drafted_by_position)
+        if grow > 0:
+            self.spec_drafted_by_position.extend([0] * grow)
+            self.spec_accepted_by_position.extend([0] * grow)
+        for position in range(num_drafted):
+            self.spec_drafted_by_position[position] += 1
+            self.spec_accepted_by_position[position] += position < num_accepted
 
 
 class LLMEngine:
@@ -88,6 +122,9 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, arch, plan.num_blocks, config.cache.block_size,
                                   loaded.device, loaded.dtype, seed=mcfg.seed,
                                   kv_cache_dtype=config.cache.kv_cache_dtype)
+        self.proposer = build_proposer(config, arch, loaded, plan.num_blocks, progress)
+        self.spec_controller = SpecController(config.spec) if self.proposer else None
+        self.runner.keep_hidden = bool(self.proposer and self.proposer.needs_hidden_states)
         self.groups: dict[str, RequestGroup] = {}
         self._requests: dict[str, tuple[RequestGroup, int]] = {}
         self.stats = EngineStats()
@@ -176,14 +213,25 @@ class LLMEngine:
         tracer = self.tracer
         if tracer is not None:
             tracer.begin_step()
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
+        if self.proposer is not None:
+            for victim in sched.preempted:
+                self.proposer.release(victim.request_id)
         if sched.is_empty:
             return []
         if tracer is not None:
             tracer.scheduled(sched, len(self.scheduler.running), len(self.scheduler.waiting))
         tables = {r.request_id: self.kv_manager.get_block_table(r.request_id)
                   for r, _ in sched.scheduled}
+        started = time.perf_counter()
         result = self.runner.execute(sched, tables)
+        if self.spec_controller is not None and all(
+                r.num_computed_tokens + n >= r.num_tokens for r, n in sched.scheduled):
+            # Decode-only steps (speculative rows included) feed the cost fit.
+            self.spec_controller.record_forward(sched.num_batched_tokens,
+                                                time.perf_counter() - started)
         self.stats.num_steps += 1
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
@@ -193,26 +241,91 @@ class LLMEngine:
             prompt_part = max(0, min(request.num_prompt_tokens - request.num_computed_tokens,
                                      num_new))
             self.stats.prompt_tokens += prompt_part
-            request.num_computed_tokens += num_new
-            self.kv_manager.cache_full_blocks(request)
+            first_position = request.num_computed_tokens
+            emitted = result.spec_tokens.get(request.request_id)
+            if emitted is not None:
+                logprobs = result.spec_logprobs.get(request.request_id)
+                num_verified = self._record_verification(request, len(emitted) - 1)
+            else:
+                token = result.sampled.get(request.request_id)
+                emitted = [token] if token is not None else []
+                logprob = result.logprobs.get(request.request_id)
+                logprobs = [logprob] if logprob is not None else None
+                num_verified = num_new
+            request.num_computed_tokens += num_verified
             if request.request_id in result.prompt_logprobs:
                 request.prompt_logprobs.extend(result.prompt_logprobs[request.request_id])
-            token = result.sampled.get(request.request_id)
-            if token is None:
-                continue
-            request.append_token(token)
-            self.stats.generation_tokens += 1
-            if request.metrics.first_token_time is None:
-                request.metrics.first_token_time = now
-            if request.logprobs is not None:
-                logprob = result.logprobs[request.request_id]
-                request.logprobs.append(logprob)
-                request.cumulative_logprob += logprob.logprob
-            self._check_stop(request, token, group.detokenizers[index])
+            if request.request_id in result.hidden:
+                self.proposer.observe(request, first_position,
+                                      result.hidden[request.request_id][1][:num_verified])
+            for position, token in enumerate(emitted):
+                self._emit(request, token, logprobs[position] if logprobs else None, now,
+                           group.detokenizers[index])
+                if request.is_finished:
+                    break
+            # After the tokens are appended: accepted drafts are computed tokens now.
+            self.kv_manager.cache_full_blocks(request)
         outputs = [self._group_output(g) for g in touched.values()]
         if tracer is not None:
             tracer.end_step()
         return outputs
+
+    def _emit(self, request: Request, token: int, logprob: TokenLogprob | None, now: float,
+              detok: IncrementalDetokenizer) -> None:
+        request.append_token(token)
+        self.stats.generation_tokens += 1
+        if request.metrics.first_token_time is None:
+            request.metrics.first_token_time = now
+        if request.logprobs is not None and logprob is not None:
+            request.logprobs.append(logprob)
+            request.cumulative_logprob += logprob.logprob
+        self._check_stop(request, token, detok)
+
+    # ---- speculative decoding --------------------------------------------------------------
+    def _propose(self) -> None:
+        """Draft tokens for running decodes that may speculate, k chosen per request."""
+        candidates, limits = [], []
+        for request in self.scheduler.running:
+            request.spec_token_ids, request.spec_probs = [], None
+            if request.num_tokens_to_compute != 1:
+                continue
+            params = request.sampling_params
+            if params.uses_penalties or request.num_output_tokens < params.min_tokens:
+                continue  # their logits depend on every earlier output token
+            # Room left: drafts never run past max_tokens or the context.
+            limit = min(request.max_tokens - request.num_output_tokens - 1,
+                        self.max_model_len - request.num_tokens)
+            if limit > 0:
+                candidates.append(request)
+                limits.append(limit)
+        if not candidates:
+            return
+        plan = self.spec_controller.plan(candidates, limits)
+        chosen = [(r, k) for r, k in zip(candidates, plan, strict=True) if k > 0]
+        if not chosen:
+            return
+        started = time.perf_counter()
+        proposals = self.proposer.propose([r for r, _ in chosen], [k for _, k in chosen])
+        drafted = 0
+        for (request, k), proposal in zip(chosen, proposals, strict=True):
+            request.spec_token_ids = proposal.token_ids[:k]
+            request.spec_probs = (proposal.probs[:k] if proposal.probs is not None
+                                  and request.spec_token_ids else None)
+            drafted += len(request.spec_token_ids)
+        self.spec_controller.record_propose(drafted, time.perf_counter() - started)
+        if self.tracer is not None:
+            self.tracer.mark("propose")
+
+    def _record_verification(self, request: Request, num_accepted: int) -> int:
+        """Account one verification; returns the positions whose KV is now valid."""
+        num_drafted = len(request.spec_token_ids)
+        self.stats.record_verification(num_drafted, num_accepted)
+        request.metrics.spec_draft_tokens += num_drafted
+        request.metrics.spec_accepted_tokens += num_accepted
+        self.spec_controller.record_verify(request, num_drafted, num_accepted)
+        request.spec_token_ids, request.spec_probs = [], None
+        # The last real token and the accepted drafts; rejected slots are rewritten later.
+        return 1 + num_accepted
 
     def _check_stop(self, request: Request, token: int, detok: IncrementalDetokenizer) -> None:
         params = request.sampling_params
@@ -234,6 +347,10 @@ class LLMEngine:
         self.scheduler.finish_request(request, reason)
         request.metrics.finished_time = time.monotonic()
         self.runner.release(request.request_id)
+        request.spec_token_ids, request.spec_probs = [], None
+        if self.proposer is not None:
+            self.proposer.release(request.request_id)
+            self.spec_controller.release(request.request_id)
         self.stats.finished_requests += 1
 
     def _group_output(self, group: RequestGroup) -> RequestOutput:

@@ -139,6 +139,8 @@ class Scheduler:
             num_new = self._num_new_tokens(request, request.num_computed_tokens)
             if num_new == 0:
                 continue
+            if num_new == 1 and request.spec_token_ids:
+                num_new = self._lookahead(request)
             while not self.kv.allocate_slots(request, num_new):
                 if not may_preempt:
                     break
@@ -149,6 +151,19 @@ class Scheduler:
             else:
                 granted[request] = num_new
                 self._budget -= num_new
+
+    def _lookahead(self, request: Request) -> int:
+        """Tokens for a decode with speculative tokens: 1 + as many of them as fit the
+        budget and the free blocks (lookahead slots); the rest are dropped."""
+        num_new = min(1 + len(request.spec_token_ids), self._budget)
+        if num_new > 1 and not self.kv.allocate_slots(request, num_new):
+            num_new = 1
+        keep = num_new - 1
+        if keep < len(request.spec_token_ids):
+            request.spec_token_ids = request.spec_token_ids[:keep]
+            if request.spec_probs is not None:
+                request.spec_probs = request.spec_probs[:keep] if keep else None
+        return num_new
 
     def _latest_arrival(self) -> Request:
         """The preemption victim. The earliest arrival is never chosen while others run,
@@ -161,6 +176,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
+        victim.spec_token_ids, victim.spec_probs = [], None
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)

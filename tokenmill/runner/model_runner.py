@@ -21,6 +21,7 @@ from tokenmill.kv.quant import storage_dtype
 from tokenmill.layers.sampler import build_sampling_batch, sample, token_logprobs
 from tokenmill.model.arch import ArchConfig
 from tokenmill.outputs import TokenLogprob
+from tokenmill.spec.verify import processed_probs, verify_greedy, verify_sampled
 
 
 @dataclass
@@ -30,6 +31,13 @@ class StepResult:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     # request_id -> logprobs of prompt tokens computed this step, in order.
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # Speculating requests: request_id -> emitted tokens (accepted drafts, then the
+    # corrected or bonus token), and their logprobs when asked for.
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    # With keep_hidden: request_id -> (first position, final hidden states [n, h]) of
+    # the positions computed this step (speculative ones included).
+    hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -50,6 +58,8 @@ class ModelRunner:
         self._request_generators: dict[str, torch.Generator] = {}
         # Optional step tracer (tokenmill.profile.StepTracer); None costs nothing.
         self.tracer = None
+        # Return every computed position's hidden state (for the EAGLE proposer).
+        self.keep_hidden = False
 
     def release(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
@@ -149,15 +159,26 @@ class ModelRunner:
         result = StepResult()
         sample_rows: list[int] = []
         sample_requests: list[Request] = []
+        spec_rows: list[int] = []
+        spec_requests: list[Request] = []
         offset = 0
         for request, num_new in ordered:
             end = request.num_computed_tokens + num_new
+            if self.keep_hidden:
+                result.hidden[request.request_id] = (request.num_computed_tokens,
+                                                     hidden[offset:offset + num_new])
             if request.prompt_logprobs is not None:
                 self._prompt_logprobs(request, num_new, hidden[offset:offset + num_new], result)
-            if end == request.num_tokens:
+            if request.spec_token_ids and end > request.num_tokens:
+                # Verification: the target's distribution after each speculative prefix.
+                spec_rows.extend(range(offset, offset + num_new))
+                spec_requests.append(request)
+            elif end == request.num_tokens:
                 sample_rows.append(offset + num_new - 1)
                 sample_requests.append(request)
             offset += num_new
+        if spec_requests:
+            self._verify(spec_requests, self.model.compute_logits(hidden[spec_rows]), result)
         if not sample_requests:
             return result
         logits = self.model.compute_logits(hidden[sample_rows])
@@ -187,6 +208,26 @@ class ModelRunner:
                     list(zip(top_ids[row][:num_top], top_lps[row][:num_top], strict=True)))
         return result
 
+    def _verify(self, requests: list[Request], logits: torch.Tensor, result: StepResult) -> None:
+        """Accept or reject each request's speculative tokens (k + 1 logits rows each)."""
+        row = 0
+        greedy_choice = logits.argmax(dim=-1).tolist()
+        for request in requests:
+            draft = request.spec_token_ids
+            rows = slice(row, row + len(draft) + 1)
+            params = request.sampling_params
+            if params.temperature == 0:
+                emitted = verify_greedy(greedy_choice[rows], draft)
+            else:
+                p = processed_probs(logits[rows], [params] * (len(draft) + 1))
+                emitted = verify_sampled(p, draft, request.spec_probs,
+                                         self._generator_for(request) or self.generator)
+            result.spec_tokens[request.request_id] = emitted
+            if request.logprobs is not None:
+                result.spec_logprobs[request.request_id] = logprob_entries(
+                    logits[row:row + len(emitted)].log_softmax(dim=-1), emitted, params.logprobs)
+            row += len(draft) + 1
+
     def _prompt_logprobs(self, request: Request, num_new: int, hidden: torch.Tensor,
                          result: StepResult) -> None:
         """Logprobs of the prompt tokens that this chunk's positions predict."""
@@ -197,11 +238,16 @@ class ModelRunner:
         if first >= last:
             return
         logprobs = self.model.compute_logits(hidden[first - start:last - start]).log_softmax(-1)
-        targets = torch.tensor(request.prompt_token_ids[first + 1:last + 1],
-                               dtype=torch.int64, device=logprobs.device)
-        num_top = request.sampling_params.prompt_logprobs
-        chosen, ranks, top_ids, top_lps = token_logprobs(logprobs, targets, num_top)
-        result.prompt_logprobs[request.request_id] = [
-            TokenLogprob(t, c, r, list(zip(i, lp, strict=True)))
-            for t, c, r, i, lp in zip(targets.tolist(), chosen.tolist(), ranks.tolist(),
+        result.prompt_logprobs[request.request_id] = logprob_entries(
+            logprobs, request.prompt_token_ids[first + 1:last + 1],
+            request.sampling_params.prompt_logprobs)
+
+
+def logprob_entries(logprobs: torch.Tensor, targets: list[int], num_top: int
+                    ) -> list[TokenLogprob]:
+    """TokenLogprob of targets[i] under row i of logprobs, with num_top alternatives."""
+    target_tensor = torch.tensor(targets, dtype=torch.int64, device=logprobs.device)
+    chosen, ranks, top_ids, top_lps = token_logprobs(logprobs, target_tensor, num_top)
+    return [TokenLogprob(t, c, r, list(zip(i, lp, strict=True)))
+            for t, c, r, i, lp in zip(targets, chosen.tolist(), ranks.tolist(),
                                       top_ids.tolist(), top_lps.tolist(), strict=True)]

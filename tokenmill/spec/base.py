@@ -45,6 +45,8 @@ class Proposer(ABC):
         """Target hidden states (after the final norm, [n, hidden]) of positions
         first_position .. first_position + n - 1 of `request`, whose tokens are now
         verified (prefill chunks and accepted decode positions)."""
+        return None  # only feature-level proposers (EAGLE) need them
 
     def release(self, request_id: str) -> None:
         """The request finished or was preempted: drop its state and free its KV."""
+        return None  # stateless proposers (n-gram) hold nothing

@@ -1,0 +1,171 @@
+"""Speculative decoding never changes greedy output, keeps the KV pool whole, and
+reports what it accepted."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import SamplingParams
+from tokenmill.config import DEFAULT_MODEL_DIR
+from tokenmill.engine.engine import LLMEngine
+
+# Repetitive prompts give n-gram lookup something to find; the others give it nothing.
+PROMPTS = [
+    [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7],
+    list(range(3, 40)),
+    [11, 12, 13] * 12,
+    [20, 21, 22, 23, 20, 21, 22, 23, 24, 25, 26, 20, 21],
+    list(range(50, 63)),
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+
+def make_engine(model_dir, **options) -> LLMEngine:
+    options.setdefault("block_size", 8)
+    return LLMEngine.from_kwargs(str(model_dir), progress=False, **options)
+
+
+def run(engine: LLMEngine, prompts, params=GREEDY, arrivals=None) -> list[list[int]]:
+    """Add prompt i at step arrivals[i] (default 0), checking integrity every step."""
+    arrivals = arrivals or [0] * len(prompts)
+    results: dict[str, list[int]] = {}
+    step = 0
+    while len(results) < len(prompts):
+        for index, at in enumerate(arrivals):
+            if at == step:
+                p = params[index] if isinstance(params, list) else params
+                engine.add_request(f"r{index}", prompts[index], p)
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output.outputs[0].token_ids
+        engine.check_integrity()
+        step += 1
+        assert step < 3000, "engine did not finish"
+    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+    return [results[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir) -> list[list[int]]:
+    return run(make_engine(llama_dir), PROMPTS)
+
+
+def spec_options(method: str, model_factory, llama_dir) -> dict:
+    if method == "ngram":
+        return {"speculative_method": "ngram", "prompt_lookup_min": 1}
+    if method == "draft_self":  # the target as its own draft: nearly everything accepted
+        return {"speculative_method": "draft", "speculative_model": str(llama_dir)}
+    # A different model with the same vocabulary: mostly rejected.
+    return {"speculative_method": "draft", "speculative_model": str(model_factory("qwen2"))}
+
+
+METHODS = ["ngram", "draft_self", "draft_other"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_alone_is_token_identical(llama_dir, model_factory, reference, method):
+    engine = make_engine(llama_dir, spec_adaptive=False,
+                         **spec_options(method, model_factory, llama_dir))
+    for index, prompt in enumerate(PROMPTS):
+        assert run(engine, [prompt]) == [reference[index]], f"prompt {index}"
+    stats = engine.stats
+    assert stats.spec_draft_tokens > 0
+    if method == "draft_self":
+        assert stats.spec_acceptance_rate > 0.9
+    if method == "draft_other":
+        assert stats.spec_acceptance_rate < 0.9  # rejections, hence rollbacks, happened
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_greedy_mixed_batch_chunked_and_cached(llama_dir, model_factory, reference, method):
+    # Staggered arrivals, small chunks, a tight token budget (drafts get cut), prefix
+    # caching on, and requests that cannot speculate (penalties) in the same batches.
+    engine = make_engine(llama_dir, chunk_size=5, max_num_batched_tokens=24, spec_adaptive=False,
+                         **spec_options(method, model_factory, llama_dir))
+    penalised = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
+                               repetition_penalty=1.3)
+    prompts = PROMPTS + [PROMPTS[2]]
+    params = [GREEDY] * len(PROMPTS) + [penalised]
+    outputs = run(engine, prompts, params, arrivals=[0, 0, 2, 3, 7, 1])
+    assert outputs[:len(PROMPTS)] == reference
+    alone = run(make_engine(llama_dir), [PROMPTS[2]], penalised)[0]
+    assert outputs[-1] == alone
+
+
+def test_preemption_with_speculation_is_token_identical(llama_dir, reference):
+    # A pool too small for everyone: requests are preempted and recomputed mid-speculation.
+    engine = make_engine(llama_dir, num_blocks=14, speculative_method="ngram",
+                         prompt_lookup_min=1, spec_adaptive=False)
+    assert run(engine, PROMPTS) == reference
+    assert engine.scheduler.num_preemptions > 0
+
+
+def test_sampled_speculation_runs_clean_and_seeded(llama_dir):
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, ignore_eos=True, seed=7)
+    first = run(make_engine(llama_dir, speculative_method="draft",
+                            speculative_model=str(llama_dir), spec_adaptive=False),
+                PROMPTS[:3], params)
+    again = run(make_engine(llama_dir, speculative_method="draft",
+                            speculative_model=str(llama_dir), spec_adaptive=False),
+                PROMPTS[:3], params)
+    assert first == again
+    assert all(len(tokens) == 30 for tokens in first)
+
+
+def test_logprobs_and_stop_inside_accepted_drafts(llama_dir, reference):
+    # The stop token sits in the middle of what the draft (the target itself) proposes:
+    # nothing after it may leak, and every emitted token carries its logprob.
+    stop_at = reference[1][10]
+    params = SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_at], logprobs=2)
+    engine = make_engine(llama_dir, speculative_method="draft",
+                         speculative_model=str(llama_dir), spec_adaptive=False)
+    engine.add_request("r", PROMPTS[1], params)
+    output = engine.run_to_completion()["r"].outputs[0]
+    expected = reference[1][:reference[1].index(stop_at) + 1]
+    assert output.token_ids == expected
+    assert [lp.token_id for lp in output.logprobs] == expected
+    plain = make_engine(llama_dir)
+    plain.add_request("r", PROMPTS[1], params)
+    reference_lps = plain.run_to_completion()["r"].outputs[0].logprobs
+    for got, want in zip(output.logprobs, reference_lps, strict=True):
+        assert got.logprob == pytest.approx(want.logprob, abs=1e-4)
+
+
+def test_max_tokens_is_never_exceeded(llama_dir):
+    engine = make_engine(llama_dir, speculative_method="draft", speculative_model=str(llama_dir),
+                         spec_adaptive=False, num_speculative_tokens=8)
+    for max_tokens in (1, 2, 5, 9):
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        assert len(run(engine, [PROMPTS[0]], params)[0]) == max_tokens
+
+
+def test_acceptance_statistics_add_up(llama_dir):
+    engine = make_engine(llama_dir, speculative_method="ngram", prompt_lookup_min=1,
+                         spec_adaptive=False)
+    outputs = run(engine, PROMPTS)
+    stats = engine.stats
+    assert sum(stats.spec_drafted_by_position) == stats.spec_draft_tokens
+    assert sum(stats.spec_accepted_by_position) == stats.spec_accepted_tokens
+    # Acceptance can only fall with depth: position i+1 is verified only after i accepted.
+    accepted = stats.spec_accepted_by_position
+    assert all(a >= b for a, b in zip(accepted, accepted[1:], strict=False))
+    assert stats.generation_tokens == sum(len(o) for o in outputs)
+
+
+def test_bad_speculative_model_is_a_clear_error(llama_dir, tmp_path, model_factory):
+    with pytest.raises(ValueError, match="speculative_model"):
+        make_engine(llama_dir, speculative_method="draft", speculative_model=str(tmp_path))
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        make_engine(llama_dir, speculative_method="ngram", num_speculative_tokens=0)
+
+
+def test_embedded_model_with_its_draft_is_token_identical():
+    prompt = "def parse_args(argv):\n    parser = argparse.ArgumentParser()\n"
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLMEngine.from_kwargs(str(DEFAULT_MODEL_DIR), progress=False)
+    expected = run(plain, [plain.encode(prompt)], params)
+    for method in ("ngram", "draft"):
+        engine = LLMEngine.from_kwargs(str(DEFAULT_MODEL_DIR), progress=False,
+                                       speculative_method=method, spec_adaptive=False)
+        assert run(engine, [engine.encode(prompt)], params) == expected, method
+        assert engine.stats.spec_accepted_tokens > 0, method

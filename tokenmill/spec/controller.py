@@ -1,0 +1,150 @@
+"""When to speculate, and how far: a per-request acceptance estimate against measured costs.
+
+With per-token acceptance α and k drafts, a verification step emits on average
+E(α, k) = (1 - α^(k+1)) / (1 - α) tokens (Leviathan et al. 2023). It costs one
+request's share of a step, S, plus, per drafted token, the proposer's time d and
+the marginal verification time b. Speculating k tokens pays when
+E(α, k) / (S + k (b + d)) beats the plain rate 1 / S; the controller picks the k in
+[0, K] with the best rate.
+
+Everything on the right is measured while serving: S and b from a running
+least-squares fit of decode-step forward time against the number of tokens in the
+step (a + b tokens, with S = (a + b B) / B at B decoding requests), d from the
+proposer's wall time per drafted token. α is an exponentially decayed count of
+accepted over verified draft positions per request, starting from an optimistic
+prior so that a request gets to try. A request that stopped speculating is probed
+with one token every probe_interval steps so that it can come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenmill.config import SpecConfig
+from tokenmill.engine.request import Request
+
+# Prior acceptance: 1.2 accepted of 2 tried (α = 0.6), and how fast evidence fades.
+PRIOR_ACCEPTED, PRIOR_TRIED, DECAY = 1.2, 2.0, 0.9
+# Until the fit sees steps of different sizes: one extra token costs 5% of a step.
+PRIOR_TOKEN_COST = 0.05
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens emitted by one verification of k drafts at acceptance alpha."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+@dataclass
+class RequestSpecState:
+    accepted: float = PRIOR_ACCEPTED
+    tried: float = PRIOR_TRIED
+    idle_steps: int = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.tried
+
+
+class StepCostFit:
+    """Exponentially weighted least squares of forward seconds = a + b * tokens."""
+
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        d = self.decay
+        self.n = d * self.n + 1.0
+        self.sx = d * self.sx + tokens
+        self.sy = d * self.sy + seconds
+        self.sxx = d * self.sxx + tokens * tokens
+        self.sxy = d * self.sxy + tokens * seconds
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b), or None before any step was seen."""
+        if self.n == 0:
+            return None
+        mean_x, mean_y = self.sx / self.n, self.sy / self.n
+        var_x = self.sxx / self.n - mean_x * mean_x
+        if var_x < 0.25:  # all steps had (nearly) the same size: no slope yet
+            b = PRIOR_TOKEN_COST * mean_y / max(mean_x, 1.0)
+        else:
+            b = max((self.sxy / self.n - mean_x * mean_y) / var_x, 0.0)
+        a = max(mean_y - b * mean_x, 0.0)
+        return a, b
+
+
+class SpecController:
+    def __init__(self, config: SpecConfig) -> None:
+        self.max_k = config.num_speculative_tokens
+        self.adaptive = config.spec_adaptive
+        self.probe_interval = config.spec_probe_interval
+        self.states: dict[str, RequestSpecState] = {}
+        self.fit = StepCostFit()
+        self.propose_seconds = 0.0
+        self.proposed_tokens = 0.0
+
+    def release(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def state(self, request: Request) -> RequestSpecState:
+        state = self.states.get(request.request_id)
+        if state is None:
+            state = self.states[request.request_id] = RequestSpecState()
+        return state
+
+    # ---- measurements ---------------------------------------------------------------
+    def record_forward(self, num_tokens: int, seconds: float) -> None:
+        """A decode-only step's forward time (prefill chunks would skew the fit)."""
+        self.fit.add(num_tokens, seconds)
+
+    def record_propose(self, num_tokens: int, seconds: float) -> None:
+        if num_tokens:
+            self.propose_seconds = DECAY * self.propose_seconds + seconds
+            self.proposed_tokens = DECAY * self.proposed_tokens + num_tokens
+
+    def record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        state = self.state(request)
+        tried = num_accepted + (1 if num_accepted < num_drafted else 0)
+        state.accepted = DECAY * state.accepted + num_accepted
+        state.tried = DECAY * state.tried + tried
+
+    # ---- the decision -----------------------------------------------------------------
+    def plan(self, requests: list[Request], limits: list[int]) -> list[int]:
+        """Tokens to propose per request (0: decode normally); limits cap each k."""
+        if not self.adaptive:
+            return [min(self.max_k, limit) for limit in limits]
+        fit = self.fit.coefficients()
+        if fit is None:
+            return [min(self.max_k, limit) for limit in limits]
+        a, b = fit
+        batch = max(len(requests), 1)
+        share = (a + b * batch) / batch  # one request's part of a plain step
+        per_draft = b + (self.propose_seconds / self.proposed_tokens
+                         if self.proposed_tokens else 0.0)
+        plan = []
+        for request, limit in zip(requests, limits, strict=True):
+            state = self.state(request)
+            k = self._best_k(state.alpha, share, per_draft, min(self.max_k, limit))
+            if k == 0 and limit > 0:
+                state.idle_steps += 1
+                if state.idle_steps >= self.probe_interval:
+                    state.idle_steps = 0
+                    k = 1
+            else:
+                state.idle_steps = 0
+            plan.append(k)
+        return plan
+
+    @staticmethod
+    def _best_k(alpha: float, share: float, per_draft: float, max_k: int) -> int:
+        if share <= 0.0:
+            return max_k
+        best_k, best_rate = 0, 1.0 / share
+        for k in range(1, max_k + 1):
+            rate = expected_tokens(alpha, k) / (share + k * per_draft)
+            if rate > best_rate * 1.02:  # a 2% margin against measurement noise
+                best_k, best_rate = k, rate
+        return best_k
