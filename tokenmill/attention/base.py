@@ -1,7 +1,7 @@
 """Attention backend interface and the per-step metadata every backend reads.
 
 The batch is one flattened sequence of tokens: all decode tokens first (one per
-request), then each prefill chunk. The metadata says where each request's tokens
+request, or one plus its speculative tokens), then each prefill chunk. The metadata says where each request's tokens
 sit and which KV blocks hold its context; it is built once per step by the model
 runner and passed down explicitly (no globals).
 """
@@ -38,9 +38,14 @@ class AttentionMetadata:
     # Decode rows (tokens [0, num_decode_tokens)): padded block tables and lengths.
     decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64
     decode_seq_lens: torch.Tensor | None  # [D] int64
-    # [D, 1, 1, max_blocks * block_size]: True where a key position is valid.
+    # [D, 1, Q, max_blocks * block_size]: True where query q of a row may see a key.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
+    # Decode rows carry up to Q tokens (the last real token plus speculative ones).
+    # With Q > 1, row i's tokens sit at padded positions decode_query_index (i * Q + r)
+    # of a [D * Q] query grid.
+    decode_query_len: int = 1
+    decode_query_index: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):

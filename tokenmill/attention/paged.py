@@ -1,7 +1,8 @@
 """Reference paged attention in plain PyTorch (CPU and CUDA).
 
-Decode rows are gathered through their block tables into one padded batch and run
-as a single masked SDPA call; each prefill chunk runs causally against its cached
+Decode rows (one token, or one plus speculative tokens, per request) are gathered
+through their block tables into one padded batch and run as a single masked SDPA
+call; each prefill chunk runs causally against its cached
 context plus itself. Reads go through `KVCache.gather`, which dequantises a
 quantized cache right after the gather.
 """
@@ -52,8 +53,17 @@ class PagedAttention(AttentionBackend):
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
                 scale: float) -> torch.Tensor:
         keys, values = kv_cache.gather(metadata.decode_block_tables)  # [D, L, KVH, Dh]
+        rows, query_len = keys.shape[0], metadata.decode_query_len
+        if query_len == 1:
+            queries = q.unsqueeze(2)  # [D, H, 1, Dh]
+        else:
+            grid = q.new_zeros(rows * query_len, *q.shape[1:])
+            grid.index_copy_(0, metadata.decode_query_index, q)
+            queries = grid.view(rows, query_len, *q.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),  # [D, H, 1, Dh]
-            keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True)
-        return o.squeeze(2)
+            queries, keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True)  # [D, H, Q, Dh]
+        if query_len == 1:
+            return o.squeeze(2)
+        o = o.transpose(1, 2).reshape(rows * query_len, *q.shape[1:])
+        return o.index_select(0, metadata.decode_query_index)

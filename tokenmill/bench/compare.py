@@ -124,6 +124,9 @@ def run_compare(engines: list[tuple[str, LLMEngine]], peers: list, model_dir: st
 def _add(result: SystemResult, run) -> None:
     result.summaries.append(summarize(run.records, run.duration_s))
     result.records.extend(run.records)
+    # Peers' runs carry no speculation counters.
+    result.spec_draft_tokens += getattr(run, "spec_draft_tokens", 0)
+    result.spec_accepted_tokens += getattr(run, "spec_accepted_tokens", 0)
 
 
 def _commit() -> str:

@@ -24,6 +24,13 @@ class EngineRun:
     records: list[RequestRecord]
     duration_s: float
     num_steps: int
+    # Speculative decoding in this run: draft tokens verified, and accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance(self) -> float | None:
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else None
 
 
 def benchmark_params(max_tokens: int) -> SamplingParams:
@@ -49,7 +56,8 @@ def run_engine_workload(engine: LLMEngine, workload: Sequence[WorkloadRequest],
     seen_tokens: dict[str, int] = {}
     pending = list(enumerate(workload))
     pending.reverse()  # pop() from the end takes them in workload order
-    steps_before = engine.stats.num_steps
+    stats = engine.stats
+    before = (stats.num_steps, stats.spec_draft_tokens, stats.spec_accepted_tokens)
     start = time.perf_counter()
     in_flight = 0
 
@@ -84,7 +92,8 @@ def run_engine_workload(engine: LLMEngine, workload: Sequence[WorkloadRequest],
             admit()
     duration = time.perf_counter() - start
     ordered = [records[f"{id_prefix}-{i}"] for i in range(len(workload))]
-    return EngineRun(ordered, duration, engine.stats.num_steps - steps_before)
+    return EngineRun(ordered, duration, stats.num_steps - before[0],
+                     stats.spec_draft_tokens - before[1], stats.spec_accepted_tokens - before[2])
 
 
 def warm_up(engine: LLMEngine, prompt_len: int = 16, max_tokens: int = 4) -> None:

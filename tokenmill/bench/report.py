@@ -25,6 +25,15 @@ class SystemResult:
     concurrency: int | None  # None: all requests at once
     summaries: list[RunSummary] = field(default_factory=list)
     records: list[RequestRecord] = field(default_factory=list)
+    # Speculative decoding (tokenmill configs that use it): draft tokens verified, accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance(self) -> float | None:
+        if not self.spec_draft_tokens:
+            return None
+        return self.spec_accepted_tokens / self.spec_draft_tokens
 
     @property
     def output_throughput(self) -> float:
@@ -43,6 +52,7 @@ class SystemResult:
         return {"system": self.system, "concurrency": self.concurrency,
                 "output_throughput_median": self.output_throughput,
                 "request_throughput_median": self.request_throughput,
+                "spec_acceptance": self.spec_acceptance,
                 "repetitions": [s.to_json() for s in self.summaries],
                 "pooled": self.pooled.to_json()}
 
@@ -66,8 +76,8 @@ def markdown_table(results: Sequence[SystemResult], baseline: str) -> str:
         lines += [f"### concurrency {_label(level)}", "",
                   "| system | req/s | out tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
                   "ITL p99 ms | E2E p50 ms | out tok/s vs "
-                  f"{base.system} | TPOT vs {base.system} |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+                  f"{base.system} | TPOT vs {base.system} | draft acceptance |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for r in group:
             p = r.pooled
             lines.append(
@@ -75,7 +85,8 @@ def markdown_table(results: Sequence[SystemResult], baseline: str) -> str:
                 f"{p.ttft_ms.median:.1f} | {p.ttft_ms.p99:.1f} | {p.tpot_ms.median:.2f} | "
                 f"{p.itl_ms.p99:.2f} | {p.e2e_ms.median:.1f} | "
                 f"{_ratio(r.output_throughput, base.output_throughput)} | "
-                f"{_ratio(p.tpot_ms.median, base_tpot)} |")
+                f"{_ratio(p.tpot_ms.median, base_tpot)} | "
+                f"{'-' if r.spec_acceptance is None else f'{r.spec_acceptance:.1%}'} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -32,6 +32,8 @@ class ThroughputResult:
 
     def to_json(self) -> dict:
         return {"summary": self.summary.to_json(), "num_steps": self.run.num_steps,
+                "spec_draft_tokens": self.run.spec_draft_tokens,
+                "spec_accepted_tokens": self.run.spec_accepted_tokens,
                 "roofline": self.roofline.to_json() if self.roofline else None,
                 "requests": [r.to_json() for r in self.run.records]}
 
@@ -97,6 +99,10 @@ def cmd_bench_throughput(args: argparse.Namespace) -> int:
                                 SLO(args.slo_ttft, args.slo_tpot))
     print(format_summary(result.summary, f"tokenmill throughput, {engine.config.model.model}"))
     print(f"{result.run.num_steps} engine steps")
+    if result.run.spec_draft_tokens:
+        print(f"speculative decoding: {result.run.spec_accepted_tokens} of "
+              f"{result.run.spec_draft_tokens} draft tokens accepted "
+              f"({result.run.spec_acceptance:.1%})")
     if result.roofline is not None:
         print(format_roofline(result.roofline, ceilings))
     if args.out:

@@ -131,6 +131,10 @@ class EngineSnapshot:
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
     num_aborted_requests: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+    spec_accepted_by_position: tuple[int, ...] = ()
 
 
 class AsyncLLMEngine:
@@ -340,6 +344,7 @@ class AsyncLLMEngine:
 
     def _publish_snapshot(self) -> None:
         kv = self.engine.kv_manager
+        stats = self.engine.stats
         self.snapshot = EngineSnapshot(
             num_running=len(self.engine.scheduler.running),
             num_waiting=len(self.engine.scheduler.waiting),
@@ -347,4 +352,8 @@ class AsyncLLMEngine:
             prefix_cache_queries=kv.prefix_queries,
             prefix_cache_hits=kv.prefix_hits,
             num_preemptions=self.engine.scheduler.num_preemptions,
-            num_aborted_requests=self._num_aborted)
+            num_aborted_requests=self._num_aborted,
+            spec_draft_tokens=stats.spec_draft_tokens,
+            spec_accepted_tokens=stats.spec_accepted_tokens,
+            spec_verifications=stats.spec_verifications,
+            spec_accepted_by_position=tuple(stats.spec_accepted_by_position))

@@ -84,8 +84,10 @@ class ModelRunner:
         that proposers with their own KV pool (draft model, EAGLE head) build their
         batches the same way.
         """
-        # One new token on top of a cached context runs on the batched decode path.
-        decodes = [(r, n) for r, n in scheduled if n == 1 and r.num_computed_tokens > 0]
+        # New tokens on top of a cached context (one, or one plus speculative tokens)
+        # run on the batched decode path.
+        decodes = [(r, n) for r, n in scheduled if r.num_computed_tokens > 0
+                   and n == 1 + len(r.spec_token_ids)]
         decode_ids = {id(r) for r, _ in decodes}
         prefills = [(r, n) for r, n in scheduled if id(r) not in decode_ids]
         ordered = decodes + prefills
@@ -132,19 +134,34 @@ class ModelRunner:
         device = self.device
         metadata = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            num_decode_tokens=len(decodes), decode_block_tables=None, decode_seq_lens=None,
-            decode_mask=None, prefills=[])
+            num_decode_tokens=sum(n for _, n in decodes), decode_block_tables=None,
+            decode_seq_lens=None, decode_mask=None, prefills=[])
         if decodes:
             tables = [block_tables[r.request_id] for r, _ in decodes]
             width = max(len(t) for t in tables)
             padded = [t + [0] * (width - len(t)) for t in tables]
-            seq_lens = torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes],
+            contexts = torch.tensor([r.num_computed_tokens for r, _ in decodes],
                                     dtype=torch.int64, device=device)
+            lengths = torch.tensor([n for _, n in decodes], dtype=torch.int64, device=device)
             key_pos = torch.arange(width * self.block_size, device=device)
             metadata.decode_block_tables = torch.tensor(padded, dtype=torch.int64, device=device)
-            metadata.decode_seq_lens = seq_lens
-            metadata.decode_mask = (key_pos[None, :] < seq_lens[:, None])[:, None, None, :]
-        offset = len(decodes)
+            metadata.decode_seq_lens = contexts + lengths
+            query_len = max(n for _, n in decodes)
+            metadata.decode_query_len = query_len
+            if query_len == 1:
+                metadata.decode_mask = (key_pos[None, :] <= contexts[:, None])[:, None, None, :]
+            else:
+                # Query r of a row sees its context and the row's tokens up to r. Padding
+                # queries (rows shorter than query_len) copy the row's last query, so no
+                # row is fully masked; their outputs are dropped.
+                offsets = torch.arange(query_len, device=device)
+                last = torch.minimum(offsets[None, :], (lengths - 1)[:, None])
+                limit = contexts[:, None] + last  # [D, query_len]
+                metadata.decode_mask = (key_pos[None, None, :] <= limit[:, :, None])[:, None]
+                metadata.decode_query_index = torch.cat(
+                    [row * query_len + torch.arange(n, device=device)
+                     for row, (_, n) in enumerate(decodes)])
+        offset = metadata.num_decode_tokens
         for request, num_new in prefills:
             table = block_tables[request.request_id]
             seq_len = request.num_computed_tokens + num_new

@@ -57,6 +57,20 @@ class _EngineCollector(Collector):
                       snap.num_preemptions)
         yield counter("num_aborted_requests", "Requests aborted (client gone, shutdown).",
                       snap.num_aborted_requests)
+        yield counter("spec_decode_num_draft_tokens", "Speculative tokens verified.",
+                      snap.spec_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Speculative tokens accepted.",
+                      snap.spec_accepted_tokens)
+        yield counter("spec_decode_num_verifications",
+                      "Verification passes (one per speculating request per step).",
+                      snap.spec_verifications)
+        by_position = CounterMetricFamily(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative tokens accepted at each draft position (0 = first).",
+            labels=[*labels, "position"])
+        for position, accepted in enumerate(snap.spec_accepted_by_position):
+            by_position.add_metric([*values, str(position)], accepted)
+        yield by_position
 
 
 class ServerMetrics:
