@@ -1,0 +1,189 @@
+"""Speculative decoding on the embedded model: none vs n-gram vs draft vs EAGLE.
+
+Workload: Python-completion prompts cut from the held-out stdlib files (never seen
+in training): --prompts prompts of --prompt-tokens tokens starting at a seeded
+random line of each file, --max-tokens greedy new tokens each (EOS ignored, so
+every configuration does the same work). Each batch size b runs the whole set with
+at most b requests in flight (b = 1 is single-stream).
+
+Configurations, one engine each, all measured in the same run and interleaved
+(repetition-major): no speculation (the baseline of every ratio), and each method
+with the adaptive switch on (the default) and off (always k tokens).
+
+    python benchmarks/bench_spec.py [--model models/pycoder] [--threads 2]
+        [--batches 1 8 32] [--prompts 32] [--repeats 2]
+
+Prints a Markdown table (output tokens/s, ratio to no speculation, acceptance rate,
+engine steps) per batch size, writes JSON and a plot of the speedup per
+batch size and the acceptance by draft position.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from tokenmill.bench.driver import run_engine_workload, warm_up
+from tokenmill.bench.workload import WorkloadRequest
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.spec.factory import default_speculative_model
+from tokenmill.train.corpus import held_out_texts
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_prompts(engine: LLMEngine, count: int, prompt_tokens: int, max_tokens: int,
+                  seed: int) -> list[WorkloadRequest]:
+    """Prompts from distinct held-out files, each starting at a random line."""
+    rng = random.Random(seed)
+    texts = [t for t in held_out_texts() if len(t) > 8 * prompt_tokens]
+    rng.shuffle(texts)
+    prompts = []
+    for text in texts:
+        lines = text.splitlines(keepends=True)
+        start = rng.randrange(max(len(lines) // 2, 1))
+        ids = engine.encode("".join(lines[start:]))
+        if len(ids) >= prompt_tokens:
+            prompts.append(WorkloadRequest(ids[:prompt_tokens], prompt_tokens, max_tokens))
+        if len(prompts) == count:
+            return prompts
+    raise SystemExit(f"only {len(prompts)} held-out files are long enough for "
+                     f"{prompt_tokens}-token prompts")
+
+
+def configurations(model: str, methods: list[str], k: int) -> list[tuple[str, dict]]:
+    configs = [("none", {})]
+    for method in methods:
+        options = {"speculative_method": method, "num_speculative_tokens": k}
+        if method != "ngram":
+            from tokenmill.config import EngineConfig
+            path = default_speculative_model(EngineConfig.from_kwargs(model=model, **options))
+            if not (path / "config.json").is_file():
+                print(f"skipping {method}: no model at {path}", file=sys.stderr)
+                continue
+        configs.append((method, options))
+        configs.append((f"{method} (fixed k)", {**options, "spec_adaptive": False}))
+    return configs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=str(ROOT / "models" / "pycoder"))
+    parser.add_argument("--methods", nargs="+", default=["ngram", "draft", "eagle"])
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--prompt-tokens", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "spec")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(args.threads)
+
+    configs = configurations(args.model, args.methods, args.k)
+    engines = {}
+    for name, options in configs:
+        engines[name] = LLMEngine.from_kwargs(args.model, progress=False,
+                                              max_num_seqs=max(args.batches), **options)
+        warm_up(engines[name])
+    workload = build_prompts(engines["none"], args.prompts, args.prompt_tokens,
+                             args.max_tokens, args.seed)
+
+    runs: dict[tuple[str, int], list] = {}
+    for rep in range(args.repeats):
+        for batch in args.batches:
+            for name, _ in configs:
+                run = run_engine_workload(engines[name], workload, batch, progress=True,
+                                          desc=f"{name} b={batch} rep {rep + 1}")
+                runs.setdefault((name, batch), []).append(run)
+    for engine in engines.values():
+        engine.check_integrity()
+
+    results = []
+    for batch in args.batches:
+        base = None
+        for name, _ in configs:
+            reps = runs[(name, batch)]
+            tokens = sum(r.output_tokens for r in reps[0].records)
+            rate = statistics.median(tokens / r.duration_s for r in reps)
+            drafted = sum(r.spec_draft_tokens for r in reps)
+            accepted = sum(r.spec_accepted_tokens for r in reps)
+            base = rate if name == "none" else base
+            results.append({"config": name, "batch": batch, "out_tok_s": rate,
+                            "speedup": rate / base, "draft_tokens": drafted,
+                            "accepted_tokens": accepted,
+                            "acceptance": accepted / drafted if drafted else None,
+                            "steps": statistics.median(r.num_steps for r in reps)})
+    by_position = {name: (engines[name].stats.spec_drafted_by_position,
+                          engines[name].stats.spec_accepted_by_position)
+                   for name, _ in configs if name != "none"}
+    print_table(results, args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_spec.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "results": results,
+         "by_position": by_position}, indent=2))
+    plot(results, by_position, args.out / "spec_speedup.png")
+    print(f"wrote {args.out / 'bench_spec.json'} and {args.out / 'spec_speedup.png'}")
+    return 0
+
+
+def print_table(results: list[dict], args: argparse.Namespace) -> None:
+    print(f"\n{args.prompts} held-out prompts of {args.prompt_tokens} tokens, "
+          f"{args.max_tokens} greedy tokens each, k = {args.k}, {args.threads} threads, "
+          f"median of {args.repeats}\n")
+    print("| batch | config | out tok/s | vs none | acceptance | engine steps |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        acceptance = "-" if r["acceptance"] is None else f"{r['acceptance']:.1%}"
+        print(f"| {r['batch']} | {r['config']} | {r['out_tok_s']:.1f} | {r['speedup']:.2f}x | "
+              f"{acceptance} | {r['steps']:.0f} |")
+
+
+def plot(results: list[dict], by_position: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    configs = list(dict.fromkeys(r["config"] for r in results))
+    batches = sorted({r["batch"] for r in results})
+    for name in configs:
+        points = [next(r["speedup"] for r in results if r["config"] == name and r["batch"] == b)
+                  for b in batches]
+        style = "--" if "fixed" in name else "-"
+        axes[0].plot([str(b) for b in batches], points, style, marker="o", label=name)
+    axes[0].axhline(1.0, color="grey", linewidth=0.8)
+    axes[0].set_xlabel("requests in flight")
+    axes[0].set_ylabel("output tokens/s vs no speculation")
+    axes[0].set_title("Speculative decoding speedup")
+    axes[0].grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    for name, (drafted, accepted) in by_position.items():
+        if "fixed" in name or not drafted:
+            continue
+        rates = [a / d if d else 0.0 for d, a in zip(drafted, accepted, strict=True)]
+        axes[1].plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+    axes[1].set_xlabel("draft position")
+    axes[1].set_ylabel("accepted / drafted")
+    axes[1].set_ylim(0, 1.05)
+    axes[1].set_title("Acceptance by position (adaptive runs, all batch sizes)")
+    axes[1].grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
