@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -22,8 +23,15 @@ class FakeClock:
         return self.now
 
 
-def simulate(arrivals, block_size, num_blocks, config, prefix_caching, vocab=5):
-    """Run the scheduler loop with a fake model that emits token (position % vocab)."""
+def simulate(arrivals, block_size, num_blocks, config, prefix_caching, vocab=5, spec_k=0,
+             seed=0):
+    """Run the scheduler loop with a fake model that emits token (position % vocab).
+
+    spec_k > 0: before each step, running decodes get up to spec_k speculative tokens,
+    right for a random prefix and wrong after it; the fake verifier accepts the right
+    prefix and rolls back the rest, as the engine does.
+    """
+    rng = random.Random(seed)
     clock = FakeClock()
     kv = KVCacheManager(num_blocks, block_size, prefix_caching)
     sched = Scheduler(config, kv, clock=clock)
@@ -39,21 +47,42 @@ def simulate(arrivals, block_size, num_blocks, config, prefix_caching, vocab=5):
                           clock.now, max_tokens)
             all_requests.append(req)
             sched.add_request(req)
+        for req in sched.running:
+            req.spec_token_ids = []
+            room = req.max_tokens - req.num_output_tokens - 1
+            if spec_k and req.num_tokens_to_compute == 1 and room > 0:
+                k = rng.randint(1, min(spec_k, room))
+                right = rng.randint(0, k)
+                req.spec_token_ids = [(req.num_tokens + i) % vocab + (vocab if i >= right else 0)
+                                      for i in range(k)]
         out = sched.schedule()
         assert out.num_batched_tokens <= config.max_num_batched_tokens
         assert len(sched.running) <= config.max_num_seqs
         for req, num_new in out.scheduled:
             assert num_new >= 1
-            assert req.num_computed_tokens + num_new <= req.num_tokens
+            assert req.num_computed_tokens + num_new <= req.num_tokens + len(req.spec_token_ids)
             assert len(kv.get_block_table(req.request_id)) * block_size >= (
                 req.num_computed_tokens + num_new)
-            req.num_computed_tokens += num_new
-            kv.cache_full_blocks(req)
-            if req.num_computed_tokens == req.num_tokens:
-                req.append_token(req.num_tokens % vocab)
+            if req.spec_token_ids:
+                assert num_new == 1 + len(req.spec_token_ids)
+                accepted = 0
+                while (accepted < len(req.spec_token_ids) and
+                       req.spec_token_ids[accepted] == (req.num_tokens + accepted) % vocab):
+                    accepted += 1
+                req.num_computed_tokens += 1 + accepted
+                emitted = [(req.num_tokens + i) % vocab for i in range(accepted + 1)]
+                req.spec_token_ids = []
+            else:
+                req.num_computed_tokens += num_new
+                emitted = ([req.num_tokens % vocab]
+                           if req.num_computed_tokens == req.num_tokens else [])
+            for token in emitted:
+                req.append_token(token)
                 if req.num_output_tokens >= req.max_tokens:
                     sched.finish_request(req, "length")
                     finished.append(req)
+                    break
+            kv.cache_full_blocks(req)
         sched.check_integrity()
         if not pending and not sched.num_unfinished:
             break
@@ -85,6 +114,27 @@ def test_random_workloads_finish_within_budget_and_return_every_block(
     for req in finished:
         # The fake model's output is a function of position only, so recompute after
         # preemption must reproduce it exactly.
+        expected = [(req.num_prompt_tokens + i) % 5 for i in range(req.max_tokens)]
+        assert req.output_token_ids == expected
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_integrity()
+
+
+@settings(max_examples=150, deadline=None)
+@given(arrivals=st.lists(request_strategy, min_size=1, max_size=10),
+       block_size=st.sampled_from([1, 4, 16]), budget=st.integers(1, 64),
+       max_seqs=st.integers(1, 6), spec_k=st.integers(1, 6), prefix_caching=st.booleans(),
+       seed=st.integers(0, 1000))
+def test_random_workloads_with_speculation_stay_exact_and_whole(
+        arrivals, block_size, budget, max_seqs, spec_k, prefix_caching, seed):
+    longest = max(len(p) + m for _, p, m in arrivals)
+    # Room for the longest request plus its lookahead slots.
+    num_blocks = -(-(longest + spec_k) // block_size) + 1
+    config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, chunk_size=7)
+    kv, sched, finished, requests = simulate(arrivals, block_size, num_blocks, config,
+                                             prefix_caching, spec_k=spec_k, seed=seed)
+    assert len(finished) == len(requests) == len(arrivals)
+    for req in finished:
         expected = [(req.num_prompt_tokens + i) % 5 for i in range(req.max_tokens)]
         assert req.output_token_ids == expected
     assert kv.num_free_blocks == kv.num_blocks
