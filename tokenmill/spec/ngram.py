@@ -2,7 +2,8 @@
 
 For n from prompt_lookup_max down to prompt_lookup_min, find the most recent
 earlier occurrence of the last n tokens in prompt + output and propose the tokens
-that followed it. Code and input-grounded text repeat themselves, so this often
+that followed it (continuing into the proposal itself when the match is closer to
+the end than k tokens, as in periodic text). Code and input-grounded text repeat themselves, so this often
 guesses right at the cost of a search; when nothing matches it proposes nothing.
 """
 
@@ -25,7 +26,12 @@ def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int
         hits = np.flatnonzero((windows == suffix).all(axis=1))
         if len(hits):
             start = int(hits[-1]) + n
-            return tokens[start:start + k].tolist()
+            proposal = tokens[start:start + k].tolist()
+            # A match close to the end runs into the proposal itself (periodic text):
+            # keep copying, from the proposed tokens.
+            while len(proposal) < k:
+                proposal.append(proposal[start + len(proposal) - length])
+            return proposal
     return []
 
 
