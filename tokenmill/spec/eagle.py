@@ -299,6 +299,7 @@ class EagleProposer(Proposer):
         return cls(load_eagle_head(head_dir, target), target, num_blocks, block_size, seed)
 
     # ---- engine interface ----------------------------------------------------------------
+    @torch.inference_mode()
     def observe(self, request: Request, first_position: int, hidden: torch.Tensor) -> None:
         sequence = self._sequences.get(request.request_id)
         if sequence is not None:
@@ -423,15 +424,15 @@ class EagleProposer(Proposer):
         """Append each request's next draft token: argmax for greedy requests, a draw
         from its processed distribution q (kept for verification) otherwise."""
         logits = self.target.compute_logits(predicted)
-        greedy = [d.request.sampling_params.temperature == 0 for d in drafts]
-        argmax = logits.argmax(dim=-1).tolist()
-        sampled_rows = [row for row, g in enumerate(greedy) if not g]
+        chosen = logits.argmax(dim=-1).tolist()
+        sampled_rows = [row for row, d in enumerate(drafts)
+                        if d.request.sampling_params.temperature != 0]
         if sampled_rows:
             params = [drafts[row].request.sampling_params for row in sampled_rows]
             q = processed_probs(logits[sampled_rows], params)
             picks = torch.multinomial(q, 1, generator=self.generator).squeeze(1).tolist()
             for row, q_row, token in zip(sampled_rows, q, picks, strict=True):
                 drafts[row].probs.append(q_row)
-                argmax[row] = token
-        for draft, token in zip(drafts, argmax, strict=True):
+                chosen[row] = token
+        for draft, token in zip(drafts, chosen, strict=True):
             draft.token_ids.append(token)
