@@ -21,9 +21,10 @@ from tokenmill.spec.eagle import (
     load_eagle_head,
     save_eagle_head,
 )
-from tokenmill.train.eagle import EagleRecipe, train_eagle_head
+from tokenmill.train.eagle import EagleRecipe, target_record, train_eagle_head
 from tokenmill.train.presets import Phase, Schedule
 
+REPO_ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=64)
 # Large enough that the random head's logits are far from ties.
@@ -208,3 +209,20 @@ def test_full_pool_proposes_nothing_and_release_frees_every_block(target, hf_tar
     proposer.release("long")
     proposer.kv_manager.check_integrity()
     assert proposer.kv_manager.num_free_blocks == 2
+
+
+def test_committed_pycoder_head_was_trained_for_the_committed_pycoder():
+    model_dir, head_dir = REPO_ROOT / "models" / "pycoder", REPO_ROOT / "models/pycoder/eagle"
+    if not (head_dir / "model.safetensors").is_file():
+        pytest.skip("models/pycoder/eagle is not trained yet")
+    config = json.loads((head_dir / "config.json").read_text())
+    # A retrained pycoder needs a retrained head (python -m tokenmill.train eagle ...).
+    assert config["target"] == target_record(model_dir)
+    target = load_model(model_dir, dtype="float32", device="cpu", progress=False).model
+    proposer = EagleProposer.from_dir(head_dir, target, num_blocks=4)
+    hf_pycoder = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    prompt = list(range(100, 116))
+    request = Request("pycoder", prompt, GREEDY, 0.0, 8)
+    proposer.observe(request, 0, features_of(hf_pycoder, prompt))
+    request.append_token(7)
+    assert len(proposer.propose([request], [4])[0].token_ids) == 4
