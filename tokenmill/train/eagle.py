@@ -37,11 +37,13 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from tokenmill.engine.request import Request
 from tokenmill.model.loader import load_model, read_config
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.spec.base import Proposer
 from tokenmill.spec.eagle import (
     WEIGHTS_FILE,
     EagleHead,
     EagleProposer,
     head_arch,
+    load_eagle_head,
     save_eagle_head,
 )
 from tokenmill.train.clock import TrainingClock, learning_rate
@@ -120,26 +122,33 @@ class HeadLoss:
     # Positions where argmax(lm_head(f_hat)) == argmax(lm_head(f)), and positions scored.
     agreements: int
     positions: int
+    # Sum over positions of sum_x min(p(x), q(x)) at temperature 1: the chance that
+    # rejection sampling accepts the first draft (measured only outside training).
+    overlap: float = 0.0
 
 
 def head_loss(head: EagleHead, target: PreTrainedModel, windows: torch.Tensor,
-              recipe: EagleRecipe, noise: bool) -> HeadLoss:
-    """The training loss of the head over token windows [B, T] (teacher-forced)."""
+              recipe: EagleRecipe, training: bool) -> HeadLoss:
+    """The loss of the head over token windows [B, T] (teacher-forced); training adds
+    the input noise, evaluation also measures the overlap of p and q."""
     with torch.no_grad():
         features = target.model(input_ids=windows).last_hidden_state
         target_logits = target.lm_head(features[:, 1:])
         target_probs = target_logits.float().softmax(-1)
         embeds = target.get_input_embeddings()(windows[:, 1:])
     inputs = features[:, :-1]
-    if noise and recipe.feature_noise:
+    if training and recipe.feature_noise:
         inputs = inputs + (torch.rand_like(inputs) - 0.5) * recipe.feature_noise
     predicted = head.forward_windows(inputs, embeds)
     regression = F.smooth_l1_loss(predicted, features[:, 1:])
     logits = target.lm_head(predicted).float()
     cross_entropy = -(target_probs * logits.log_softmax(-1)).sum(-1).mean()
     agreements = int((logits.argmax(-1) == target_logits.argmax(-1)).sum())
+    overlap = 0.0 if training else float(
+        torch.minimum(target_probs, logits.detach().softmax(-1)).sum())
     return HeadLoss(regression + recipe.ce_weight * cross_entropy, float(regression.detach()),
-                    float(cross_entropy.detach()), agreements, logits.shape[0] * logits.shape[1])
+                    float(cross_entropy.detach()), agreements, logits.shape[0] * logits.shape[1],
+                    overlap)
 
 
 @torch.no_grad()
@@ -150,18 +159,21 @@ def teacher_forced_metrics(head: EagleHead, target: PreTrainedModel, windows: to
     head.eval()
     total = regression = cross_entropy = 0.0
     agreements = positions = 0
+    overlap = 0.0
     for start in range(0, windows.shape[0], batch_size):
-        result = head_loss(head, target, windows[start:start + batch_size], recipe, noise=False)
+        result = head_loss(head, target, windows[start:start + batch_size], recipe, training=False)
         weight = result.positions
         total += float(result.total) * weight
         regression += result.regression * weight
         cross_entropy += result.cross_entropy * weight
         agreements += result.agreements
+        overlap += result.overlap
         positions += weight
     head.train(was_training)
     return {"loss": total / positions, "regression": regression / positions,
             "cross_entropy": cross_entropy / positions,
-            "top1_agreement": agreements / positions, "positions": positions,
+            "top1_agreement": agreements / positions,
+            "sampled_acceptance": overlap / positions, "positions": positions,
             "seq_len": int(windows.shape[1])}
 
 
@@ -181,7 +193,7 @@ def greedy_continuations(target: PreTrainedModel, prompts: torch.Tensor, num_new
 
 
 @torch.no_grad()
-def simulate_greedy_drafting(proposer: EagleProposer, target: PreTrainedModel,
+def simulate_greedy_drafting(proposer: Proposer, target: PreTrainedModel,
                              sequences: torch.Tensor, prompt_len: int, draft_len: int) -> dict:
     """Speculative greedy decoding along known greedy sequences [R, L].
 
@@ -249,7 +261,7 @@ def _train_loop(head: EagleHead, target: PreTrainedModel, recipe: EagleRecipe,
             group["lr"] = learning_rate(step, clock.progress(step, 0, step), schedule)
         threads.threads_for_step(step)
         started = time.perf_counter()
-        result = head_loss(head, target, next(batches), recipe, noise=True)
+        result = head_loss(head, target, next(batches), recipe, training=True)
         result.total.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), schedule.grad_clip)
         optimizer.step()
@@ -290,13 +302,33 @@ def target_record(target_dir: Path) -> dict:
             "num_layers": arch.num_layers, "weights_sha256": digest.hexdigest()}
 
 
+def measure_eagle_head(head_dir: Path, target_dir: Path, target: PreTrainedModel,
+                       held_out_tokens: torch.Tensor, recipe: EagleRecipe) -> tuple[dict, dict]:
+    """The saved head's held-out teacher-forced metrics and simulated greedy drafting
+    (through `load_eagle_head` and `EagleProposer`, as the engine would use it)."""
+    drafting_target = load_model(target_dir, dtype="float32", device="cpu", progress=False).model
+    head = load_eagle_head(head_dir, drafting_target)
+    phase = recipe.phase
+    final_windows = evaluation_windows(held_out_tokens, phase.seq_len, recipe.final_eval_windows)
+    held_out = teacher_forced_metrics(head, target, final_windows, recipe, phase.batch_size)
+    prompts = evaluation_windows(held_out_tokens, recipe.prompt_len, recipe.acceptance_prompts)
+    sequences = greedy_continuations(target, prompts, recipe.continuation_len)
+    blocks_per_sequence = -(-(sequences.shape[1] + recipe.draft_len) // 16)
+    proposer = EagleProposer(head, drafting_target, num_blocks=len(prompts) * blocks_per_sequence)
+    acceptance = simulate_greedy_drafting(proposer, target, sequences, recipe.prompt_len,
+                                          recipe.draft_len)
+    acceptance |= {"prompts": len(prompts), "prompt_len": recipe.prompt_len,
+                   "continuation_len": recipe.continuation_len}
+    return held_out, acceptance
+
+
 def train_eagle_head(target_dir: Path, out_dir: Path, train_texts: list[str],
                      held_out_texts: list[str], recipe: EagleRecipe = PYCODER_RECIPE,
                      show_progress: bool = True, max_seconds: float | None = None) -> dict:
     """Train a head for the target in target_dir and write it (with its measurements,
     loss curve and train log) to out_dir; returns the train log."""
     torch.set_num_threads(TRAIN_THREADS)
-    schedule, phase = recipe.schedule, recipe.phase
+    schedule = recipe.schedule
     tokenizer = load_tokenizer(target_dir)
     end_of_text_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
     train_tokens = pack_documents(tokenizer.backend_tokenizer, train_texts, end_of_text_id)
@@ -314,18 +346,8 @@ def train_eagle_head(target_dir: Path, out_dir: Path, train_texts: list[str],
                                  show_progress, max_seconds)
     save_eagle_head(head, out_dir, target_record(target_dir))
 
-    final_windows = evaluation_windows(held_out_tokens, phase.seq_len, recipe.final_eval_windows)
-    held_out = teacher_forced_metrics(head, target, final_windows, recipe, phase.batch_size)
-    prompts = evaluation_windows(held_out_tokens, recipe.prompt_len, recipe.acceptance_prompts)
-    sequences = greedy_continuations(target, prompts, recipe.continuation_len)
-    drafting_target = load_model(target_dir, dtype="float32", device="cpu", progress=False).model
-    blocks_per_sequence = -(-(sequences.shape[1] + recipe.draft_len) // 16)
-    proposer = EagleProposer.from_dir(out_dir, drafting_target,
-                                      num_blocks=len(prompts) * blocks_per_sequence)
-    acceptance = simulate_greedy_drafting(proposer, target, sequences, recipe.prompt_len,
-                                          recipe.draft_len)
-    acceptance |= {"prompts": len(prompts), "prompt_len": recipe.prompt_len,
-                   "continuation_len": recipe.continuation_len}
+    held_out, acceptance = measure_eagle_head(out_dir, target_dir, target, held_out_tokens,
+                                              recipe)
 
     log = {
         "target": target_record(target_dir),

@@ -69,6 +69,8 @@ def render_eagle_card(log: dict, weights_bytes: int) -> str:
         "| --- | --- |",
         f"| top-1 agreement with the target's greedy token (teacher-forced) | "
         f"{held_out['top1_agreement']:.3f} |",
+        f"| first-draft acceptance at temperature 1, sum_x min(p, q) (teacher-forced) | "
+        f"{held_out['sampled_acceptance']:.3f} |",
         f"| loss (SmoothL1 / CE) | {held_out['regression']:.4f} / "
         f"{held_out['cross_entropy']:.3f} |",
         f"| greedy tokens per target pass, k = {acceptance['draft_len']} | "
@@ -86,7 +88,9 @@ def render_eagle_card(log: dict, weights_bytes: int) -> str:
         f"{acceptance['draft_len']} tokens per pass along that continuation (its own paged KV, "
         "its own predicted features after the first draft), the longest matching prefix is "
         "accepted plus the target's next token, as greedy verification does "
-        f"({acceptance['passes']} passes). 1.00 would mean no draft is ever accepted.",
+        f"({acceptance['passes']} passes). 1.00 would mean no draft is ever accepted. The "
+        "target's greedy continuations repeat themselves a lot (see its card), which makes "
+        "them easy to draft: expect less on sampled or more varied text.",
         "",
         f"Weights: {weights_bytes / 1e6:.1f} MB (fp32 safetensors).",
         "",
