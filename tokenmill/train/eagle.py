@@ -15,10 +15,11 @@ head learns to continue from its own slightly-off predictions. AdamW with warmup
 cosine decay (`clock.py`), thread count chosen by measured speed (`threads.py`),
 everything seeded.
 
-Held-out measurements: teacher-forced top-1 agreement of the head's token with the
-target's greedy token at the next position, and the greedy acceptance length of
-real drafting (`EagleProposer`, k = 4) along the target's own greedy continuations
-of held-out prompts.
+Held-out measurements (`measure_eagle_head`): teacher-forced top-1 agreement of the
+head's token with the target's greedy token at the next position, the first-draft
+acceptance probability at temperature 1 (sum_x min(p, q)), and the greedy tokens per
+target pass of real drafting (`EagleProposer`, k = 4) along the target's own greedy
+continuations of held-out prompts.
 """
 
 from __future__ import annotations
@@ -54,8 +55,6 @@ from tokenmill.train.presets import Phase, Schedule
 from tokenmill.train.threads import ThreadChooser
 from tokenmill.train.tokenizer import END_OF_TEXT, load_tokenizer
 from tokenmill.train.trainer import TRAIN_THREADS, TrainHistory, make_optimizer
-
-LOSS_LABEL = "SmoothL1 + 0.1 CE"
 
 
 @dataclass(frozen=True)
@@ -367,7 +366,7 @@ def train_eagle_head(target_dir: Path, out_dir: Path, train_texts: list[str],
     }
     (out_dir / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
     plot_loss_curve(history, f"EAGLE head for {log['target']['name']}",
-                    out_dir / "loss_curve.png", ylabel=LOSS_LABEL)
+                    out_dir / "loss_curve.png", ylabel=f"SmoothL1 + {recipe.ce_weight:g} CE")
     weights_bytes = (out_dir / WEIGHTS_FILE).stat().st_size
     (out_dir / "README.md").write_text(render_eagle_card(log, weights_bytes))
     return log
