@@ -92,7 +92,7 @@ def check_proposal(proposal, head, target, features, request: Request, offset: i
                                    rtol=1e-4, atol=1e-6)
 
 
-def test_training_steps_lower_the_loss_and_write_a_loadable_head(llama_dir, target, tmp_path):
+def test_training_lowers_the_loss_writes_a_loadable_head_and_can_continue_from_it(llama_dir, target, tmp_path):
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [(stdlib / name).read_text() for name in ("bisect.py", "colorsys.py", "keyword.py")]
     held_out = [(stdlib / "stat.py").read_text()[:3000]]
@@ -111,6 +111,12 @@ def test_training_steps_lower_the_loss_and_write_a_loadable_head(llama_dir, targ
                  "train_log.json"):
         assert (out / name).is_file(), name
     load_eagle_head(out, target)
+
+    continued = train_eagle_head(llama_dir, tmp_path / "continued", texts, held_out,
+                                 recipe.with_overrides(steps=3), show_progress=False,
+                                 init_from=out)
+    assert continued["history"]["train_loss"][0] < sum(losses[:5]) / 5 - 0.05
+    assert continued["init_from"] == json.loads((out / "config.json").read_text())["target"]
 
 
 def test_incremental_drafts_match_full_recompute_through_steps_and_rollback(

@@ -163,8 +163,8 @@ def save_eagle_head(head: EagleHead, out_dir: Path, target: dict[str, Any]) -> N
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
 
 
-def load_eagle_head(head_dir: str | Path, target_model: LlamaForCausalLM) -> EagleHead:
-    """The head saved in head_dir, on the target's device and dtype, ready to draft.
+def read_head_config(head_dir: str | Path, target_arch: ArchConfig) -> tuple[ArchConfig, dict]:
+    """The head arch and config.json saved in head_dir, checked against the target.
 
     Raises ValueError when the head was built for a target of another geometry.
     """
@@ -176,7 +176,6 @@ def load_eagle_head(head_dir: str | Path, target_model: LlamaForCausalLM) -> Eag
     if config.get("format") != FORMAT:
         raise ValueError(f"EAGLE head: {str(config_path)!r} has format "
                          f"{config.get('format')!r}, expected {FORMAT!r}")
-    target_arch: ArchConfig = target_model.arch
     mismatched = [f"{name}: head {config[name]!r}, target {getattr(target_arch, name)!r}"
                   for name in TARGET_GEOMETRY if config[name] != getattr(target_arch, name)]
     if mismatched:
@@ -184,10 +183,19 @@ def load_eagle_head(head_dir: str | Path, target_model: LlamaForCausalLM) -> Eag
                          + "; ".join(mismatched) + ")")
     arch = dataclasses.replace(head_arch(target_arch),
                                **{name: config[name] for name in HEAD_GEOMETRY})
+    return arch, config
+
+
+def load_eagle_head(head_dir: str | Path, target_model: LlamaForCausalLM) -> EagleHead:
+    """The head saved in head_dir, on the target's device and dtype, ready to draft.
+
+    Raises ValueError when the head was built for a target of another geometry.
+    """
+    arch, _ = read_head_config(head_dir, target_model.arch)
     reference = next(target_model.parameters())
     rotary = target_model.model.rotary
     head = EagleHead(arch, rotary.max_positions, transpose_wide=reference.device.type == "cpu")
-    load_head_weights(head, load_file(str(head_dir / WEIGHTS_FILE)), head_dir)
+    load_head_weights(head, load_file(str(Path(head_dir) / WEIGHTS_FILE)), Path(head_dir))
     head.place(reference.device, reference.dtype)
     return head.eval().requires_grad_(False)
 

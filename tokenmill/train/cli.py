@@ -62,6 +62,12 @@ def _build_parser() -> argparse.ArgumentParser:
     eagle.add_argument("--max-minutes", type=float, default=None,
                        help="wall-clock cap on the training loop (measurements come after)")
     eagle.add_argument("--seed", type=int, default=None, help="override the recipe's (0)")
+    eagle.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from this saved head (e.g. the head of the target before retraining)",
+    )
     eagle.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
     eagle.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
@@ -128,6 +134,7 @@ def _run_eagle(args: argparse.Namespace) -> int:
         recipe,
         show_progress=not args.no_progress,
         max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
+        init_from=args.init_from,
     )
     summary = {key: log[key] for key in ("steps", "tokens_seen", "train_seconds", "held_out",
                                          "acceptance")}

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
@@ -45,6 +46,8 @@ from tokenmill.spec.eagle import (
     EagleProposer,
     head_arch,
     load_eagle_head,
+    load_head_weights,
+    read_head_config,
     save_eagle_head,
 )
 from tokenmill.train.clock import TrainingClock, learning_rate
@@ -323,9 +326,14 @@ def measure_eagle_head(head_dir: Path, target_dir: Path, target: PreTrainedModel
 
 def train_eagle_head(target_dir: Path, out_dir: Path, train_texts: list[str],
                      held_out_texts: list[str], recipe: EagleRecipe = PYCODER_RECIPE,
-                     show_progress: bool = True, max_seconds: float | None = None) -> dict:
+                     show_progress: bool = True, max_seconds: float | None = None,
+                     init_from: Path | None = None) -> dict:
     """Train a head for the target in target_dir and write it (with its measurements,
-    loss curve and train log) to out_dir; returns the train log."""
+    loss curve and train log) to out_dir; returns the train log.
+
+    init_from: start from this saved head instead of random weights (e.g. the head of
+    an earlier version of the same target, after the target was trained further).
+    """
     torch.set_num_threads(TRAIN_THREADS)
     schedule = recipe.schedule
     tokenizer = load_tokenizer(target_dir)
@@ -341,6 +349,11 @@ def train_eagle_head(target_dir: Path, out_dir: Path, train_texts: list[str],
     torch.manual_seed(schedule.seed)
     head = EagleHead(head_arch(arch), arch.max_position_embeddings)
     head.init_weights()
+    init_record = None
+    if init_from is not None:
+        _, init_config = read_head_config(init_from, arch)
+        load_head_weights(head, load_file(str(init_from / WEIGHTS_FILE)), init_from)
+        init_record = init_config["target"]
     history, stats = _train_loop(head, target, recipe, train_tokens, eval_windows,
                                  show_progress, max_seconds)
     save_eagle_head(head, out_dir, target_record(target_dir))
@@ -351,6 +364,8 @@ def train_eagle_head(target_dir: Path, out_dir: Path, train_texts: list[str],
     log = {
         "target": target_record(target_dir),
         "recipe": asdict(recipe),
+        # The target record of the head this one continued from (None: random init).
+        "init_from": init_record,
         "num_parameters": sum(p.numel() for p in head.parameters()),
         "train_tokens_in_corpus": int(train_tokens.numel()),
         "held_out_tokens_in_corpus": int(held_out_tokens.numel()),

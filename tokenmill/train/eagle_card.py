@@ -20,6 +20,9 @@ def render_eagle_card(log: dict, weights_bytes: int) -> str:
     held_out = log["held_out"]
     acceptance = log["acceptance"]
     depth_rates = ", ".join(f"{rate:.2f}" for rate in acceptance["acceptance_by_depth"])
+    start = ("random initialisation" if log.get("init_from") is None else
+             "the head trained for the earlier target weights with SHA-256 "
+             f"`{log['init_from']['weights_sha256'][:16]}...`")
     budget = (f" (wall-clock cap {log['max_seconds'] / 60:.0f} min)"
               if log.get("max_seconds") else "")
     parts = [
@@ -51,7 +54,7 @@ def render_eagle_card(log: dict, weights_bytes: int) -> str:
         f"Loss SmoothL1(f_hat, f) + {recipe['ce_weight']} x CE(LM head(f_hat), the target's "
         "next-token distribution) (EAGLE-1's weights), teacher-forced, with uniform noise "
         f"U(-{recipe['feature_noise'] / 2:g}, {recipe['feature_noise'] / 2:g}) on input "
-        f"features. {log['steps']} steps of {phase['batch_size']} windows x {phase['seq_len']} "
+        f"features, starting from {start}. {log['steps']} steps of {phase['batch_size']} windows x {phase['seq_len']} "
         f"tokens (of {phase['steps']} planned{budget}); {log['tokens_seen']:,} tokens in "
         f"{log['train_seconds'] / 60:.1f} min ({log['tokens_per_second']:.0f} tokens/s) on a "
         "2-core CPU shared with other work, at low priority. AdamW (betas "
