@@ -119,11 +119,12 @@ def test_training_lowers_the_loss_writes_a_loadable_head_and_can_continue_from_i
     assert continued["init_from"] == json.loads((out / "config.json").read_text())["target"]
 
 
+@pytest.mark.parametrize("micro_batch", [None, 2])
 def test_incremental_drafts_match_full_recompute_through_steps_and_rollback(
-        target, hf_target, head_dir):
+        target, hf_target, head_dir, micro_batch):
     head = load_eagle_head(head_dir, target)
     reference_head = load_eagle_head(head_dir, target)
-    proposer = EagleProposer(head, target, num_blocks=32, block_size=4)
+    proposer = EagleProposer(head, target, num_blocks=32, block_size=4, micro_batch=micro_batch)
     generator = torch.Generator().manual_seed(1)
     vocab = target.arch.vocab_size
     # Each request walks along a fixed token sequence; offset > 0 is a prefix-cache
@@ -194,7 +195,8 @@ def test_save_load_round_trip_and_geometry_mismatch(target, head_dir, model_fact
 
 
 def test_full_pool_proposes_nothing_and_release_frees_every_block(target, hf_target, head_dir):
-    proposer = EagleProposer.from_dir(head_dir, target, num_blocks=2, block_size=4)
+    proposer = EagleProposer.load(head_dir, target, target.arch, torch.device("cpu"),
+                                   torch.float32, num_blocks=2, block_size=4)
     tokens = list(range(1, 21))
     features = features_of(hf_target, tokens)
     long = Request("long", tokens[:19], GREEDY, 0.0, 64)
@@ -225,7 +227,7 @@ def test_committed_pycoder_head_was_trained_for_the_committed_pycoder():
     # A retrained pycoder needs a retrained head (python -m tokenmill.train eagle ...).
     assert config["target"] == target_record(model_dir)
     target = load_model(model_dir, dtype="float32", device="cpu", progress=False).model
-    proposer = EagleProposer.from_dir(head_dir, target, num_blocks=4)
+    proposer = EagleProposer(load_eagle_head(head_dir, target), target, num_blocks=4)
     hf_pycoder = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     prompt = list(range(100, 116))
     request = Request("pycoder", prompt, GREEDY, 0.0, 8)

@@ -289,12 +289,14 @@ class EagleProposer(Proposer):
     needs_hidden_states = True
 
     def __init__(self, head: EagleHead, target: LlamaForCausalLM, num_blocks: int,
-                 block_size: int = 16, seed: int = 0) -> None:
+                 block_size: int = 16, micro_batch: int | None = None, seed: int = 0) -> None:
         reference = next(head.parameters())
         self.head = head
         self.target = target
         self.device, self.dtype = reference.device, reference.dtype
         self.max_positions = head.rotary.max_positions
+        # Most requests per head forward (None: the whole batch).
+        self.micro_batch = micro_batch
         self.runner = ModelRunner(head, head.arch, num_blocks, block_size, self.device,
                                   self.dtype)
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
@@ -302,9 +304,14 @@ class EagleProposer(Proposer):
         self._sequences: dict[str, _DraftSequence] = {}
 
     @classmethod
-    def from_dir(cls, head_dir: str | Path, target: LlamaForCausalLM, num_blocks: int,
-                 block_size: int = 16, seed: int = 0) -> EagleProposer:
-        return cls(load_eagle_head(head_dir, target), target, num_blocks, block_size, seed)
+    def load(cls, head_dir: str | Path, target: LlamaForCausalLM, arch: ArchConfig,
+             device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int = 16,
+             micro_batch: int | None = None, seed: int = 0) -> EagleProposer:
+        """The proposer for the head saved in head_dir, as `tokenmill.spec.factory` builds
+        it. arch, device and dtype are the target's: the head takes them from target."""
+        del arch, device, dtype  # the head is checked against, and placed like, target
+        return cls(load_eagle_head(head_dir, target), target, num_blocks, block_size,
+                   micro_batch, seed)
 
     # ---- engine interface ----------------------------------------------------------------
     @torch.inference_mode()
@@ -334,14 +341,9 @@ class EagleProposer(Proposer):
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
         drafts = [self._start_draft(r, k) for r, k in zip(requests, num_tokens, strict=True)]
         active = [d for d in drafts if d is not None]
-        if active:
-            active, predicted = self._catch_up(active)
-            self._choose(active, predicted)
-            for step in range(1, max(d.num_tokens for d in active)):
-                keep = [row for row, d in enumerate(active) if d.num_tokens > step]
-                active, predicted = self._draft_step([active[row] for row in keep],
-                                                     predicted[keep], step)
-                self._choose(active, predicted)
+        step = self.micro_batch or len(active) or 1
+        for start in range(0, len(active), step):
+            self._draft(active[start:start + step])
         proposals = []
         for draft in drafts:
             if draft is None:
@@ -354,6 +356,16 @@ class EagleProposer(Proposer):
         return proposals
 
     # ---- steps -----------------------------------------------------------------------------
+    def _draft(self, active: list[_Draft]) -> None:
+        """Catch-up forward, then one forward per further draft token, batched."""
+        active, predicted = self._catch_up(active)
+        self._choose(active, predicted)
+        for step in range(1, max(d.num_tokens for d in active)):
+            keep = [row for row, d in enumerate(active) if d.num_tokens > step]
+            active, predicted = self._draft_step([active[row] for row in keep],
+                                                 predicted[keep], step)
+            self._choose(active, predicted)
+
     def _start_draft(self, request: Request, num_tokens: int) -> _Draft | None:
         """Bring the request's state up to date and reserve KV; None: no proposal."""
         sequence = self._sequences.get(request.request_id)
