@@ -3,6 +3,7 @@
 python -m tokenmill.train tokenizer --out models/pycoder
 python -m tokenmill.train model --preset pycoder --tokenizer models/pycoder --out models/pycoder
 python -m tokenmill.train card --model models/pycoder
+python -m tokenmill.train eagle --target models/pycoder --out models/pycoder/eagle
 """
 
 from __future__ import annotations
@@ -53,6 +54,22 @@ def _build_parser() -> argparse.ArgumentParser:
     card = commands.add_parser("card", help="measure a trained model and write its README.md")
     card.add_argument("--model", type=Path, required=True, help="trained model directory")
     card.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
+
+    eagle = commands.add_parser("eagle", help="train an EAGLE-1 draft head for a trained model")
+    eagle.add_argument("--target", type=Path, required=True, help="trained model directory")
+    eagle.add_argument("--out", type=Path, required=True, help="head directory to write")
+    eagle.add_argument("--steps", type=int, default=None, help="override the recipe's steps")
+    eagle.add_argument("--max-minutes", type=float, default=None,
+                       help="wall-clock cap on the training loop (measurements come after)")
+    eagle.add_argument("--seed", type=int, default=None, help="override the recipe's (0)")
+    eagle.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from this saved head (e.g. the head of the target before retraining)",
+    )
+    eagle.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
+    eagle.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     return parser
 
 
@@ -103,8 +120,35 @@ def _run_card(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_eagle(args: argparse.Namespace) -> int:
+    from tokenmill.train.corpus import read_sources, split_sources
+    from tokenmill.train.eagle import PYCODER_RECIPE, train_eagle_head
+
+    recipe = PYCODER_RECIPE.with_overrides(steps=args.steps, seed=args.seed)
+    train, held_out = split_sources(read_sources(args.corpus_root))
+    log = train_eagle_head(
+        args.target,
+        args.out,
+        [source.text for source in train],
+        [source.text for source in held_out],
+        recipe,
+        show_progress=not args.no_progress,
+        max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
+        init_from=args.init_from,
+    )
+    summary = {key: log[key] for key in ("steps", "tokens_seen", "train_seconds", "held_out",
+                                         "acceptance")}
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; ``argv`` excludes the program name (``None`` reads ``sys.argv``)."""
     args = _build_parser().parse_args(argv)
-    runners = {"tokenizer": _run_tokenizer, "model": _run_model, "card": _run_card}
+    runners = {
+        "tokenizer": _run_tokenizer,
+        "model": _run_model,
+        "card": _run_card,
+        "eagle": _run_eagle,
+    }
     return runners[args.command](args)

@@ -28,7 +28,12 @@ def moving_average(values: list[float], window: int) -> list[float]:
     return averaged
 
 
-def plot_loss_curve(history: TrainHistory, title: str, path: Path) -> None:
+def plot_loss_curve(
+    history: TrainHistory,
+    title: str,
+    path: Path,
+    ylabel: str = "cross-entropy (nats / token)",
+) -> None:
     """Training loss (raw and smoothed) and held-out loss against tokens seen."""
     figure, axes = plt.subplots(figsize=(7, 4), dpi=100)
     millions = [t / 1e6 for t in history.tokens]
@@ -48,7 +53,7 @@ def plot_loss_curve(history: TrainHistory, title: str, path: Path) -> None:
             label="held-out",
         )
     axes.set_xlabel("tokens seen (millions)")
-    axes.set_ylabel("cross-entropy (nats / token)")
+    axes.set_ylabel(ylabel)
     axes.set_title(f"{title}: training loss")
     axes.grid(alpha=0.3)
     axes.legend()
