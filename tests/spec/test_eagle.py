@@ -27,10 +27,6 @@ from tokenmill.train.presets import Phase, Schedule
 REPO_ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 SAMPLED = SamplingParams(temperature=1.0, max_tokens=64)
-# Large enough that the random head's logits are far from ties.
-TEST_INIT_STD = 0.2
-
-
 @pytest.fixture(scope="module")
 def target(llama_dir):
     return load_model(llama_dir, dtype="float32", device="cpu", progress=False).model
@@ -42,18 +38,8 @@ def hf_target(llama_dir):
 
 
 @pytest.fixture(scope="module")
-def head_dir(target, tmp_path_factory) -> Path:
-    torch.manual_seed(0)
-    head = EagleHead(head_arch(target.arch), target.model.rotary.max_positions)
-    with torch.no_grad():
-        for param in head.parameters():
-            if param.dim() > 1:
-                param.normal_(0.0, TEST_INIT_STD)
-            else:
-                param.uniform_(0.5, 1.5)
-    path = tmp_path_factory.mktemp("eagle_head")
-    save_eagle_head(head, path, {"name": "tiny-llama"})
-    return path
+def head_dir(eagle_head_dir) -> Path:
+    return eagle_head_dir
 
 
 def features_of(hf_target, token_ids: list[int]) -> torch.Tensor:

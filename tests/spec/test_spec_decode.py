@@ -50,7 +50,9 @@ def reference(llama_dir) -> list[list[int]]:
     return run(make_engine(llama_dir), PROMPTS)
 
 
-def spec_options(method: str, model_factory, llama_dir) -> dict:
+def spec_options(method: str, model_factory, llama_dir, eagle_head_dir=None) -> dict:
+    if method == "eagle":  # a random head: it exercises the feature path, rarely right
+        return {"speculative_method": "eagle", "speculative_model": str(eagle_head_dir)}
     if method == "ngram":
         return {"speculative_method": "ngram", "prompt_lookup_min": 1}
     if method == "draft_self":  # the target as its own draft: nearly everything accepted
@@ -59,29 +61,31 @@ def spec_options(method: str, model_factory, llama_dir) -> dict:
     return {"speculative_method": "draft", "speculative_model": str(model_factory("qwen2"))}
 
 
-METHODS = ["ngram", "draft_self", "draft_other"]
+METHODS = ["ngram", "draft_self", "draft_other", "eagle"]
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_alone_is_token_identical(llama_dir, model_factory, reference, method):
+def test_greedy_alone_is_token_identical(llama_dir, model_factory, eagle_head_dir, reference,
+                                         method):
     engine = make_engine(llama_dir, spec_adaptive=False,
-                         **spec_options(method, model_factory, llama_dir))
+                         **spec_options(method, model_factory, llama_dir, eagle_head_dir))
     for index, prompt in enumerate(PROMPTS):
         assert run(engine, [prompt]) == [reference[index]], f"prompt {index}"
     stats = engine.stats
     assert stats.spec_draft_tokens > 0
     if method == "draft_self":
         assert stats.spec_acceptance_rate > 0.9
-    if method == "draft_other":
+    if method in ("draft_other", "eagle"):
         assert stats.spec_acceptance_rate < 0.9  # rejections, hence rollbacks, happened
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_greedy_mixed_batch_chunked_and_cached(llama_dir, model_factory, reference, method):
+def test_greedy_mixed_batch_chunked_and_cached(llama_dir, model_factory, eagle_head_dir,
+                                               reference, method):
     # Staggered arrivals, small chunks, a tight token budget (drafts get cut), prefix
     # caching on, and requests that cannot speculate (penalties) in the same batches.
     engine = make_engine(llama_dir, chunk_size=5, max_num_batched_tokens=24, spec_adaptive=False,
-                         **spec_options(method, model_factory, llama_dir))
+                         **spec_options(method, model_factory, llama_dir, eagle_head_dir))
     penalised = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True,
                                repetition_penalty=1.3)
     prompts = PROMPTS + [PROMPTS[2]]
@@ -164,7 +168,7 @@ def test_embedded_model_with_its_draft_is_token_identical():
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     plain = LLMEngine.from_kwargs(str(DEFAULT_MODEL_DIR), progress=False)
     expected = run(plain, [plain.encode(prompt)], params)
-    for method in ("ngram", "draft"):
+    for method in ("ngram", "draft", "eagle"):
         engine = LLMEngine.from_kwargs(str(DEFAULT_MODEL_DIR), progress=False,
                                        speculative_method=method, spec_adaptive=False)
         assert run(engine, [engine.encode(prompt)], params) == expected, method

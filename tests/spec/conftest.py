@@ -1,0 +1,29 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tokenmill.model.loader import load_model
+from tokenmill.spec.eagle import EagleHead, head_arch, save_eagle_head
+
+# Large enough that the random head's logits are far from ties.
+TEST_INIT_STD = 0.2
+
+
+@pytest.fixture(scope="session")
+def eagle_head_dir(llama_dir, tmp_path_factory) -> Path:
+    """A random-initialised EAGLE head for the tiny llama target."""
+    target = load_model(llama_dir, dtype="float32", device="cpu", progress=False).model
+    torch.manual_seed(0)
+    head = EagleHead(head_arch(target.arch), target.model.rotary.max_positions)
+    with torch.no_grad():
+        for param in head.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, TEST_INIT_STD)
+            else:
+                param.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp("eagle_head")
+    save_eagle_head(head, path, {"name": "tiny-llama"})
+    return path
