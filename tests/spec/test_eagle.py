@@ -17,7 +17,6 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.spec.eagle import (
     EagleHead,
     EagleProposer,
-    head_arch,
     load_eagle_head,
     save_eagle_head,
 )
