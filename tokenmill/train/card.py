@@ -165,7 +165,10 @@ def _expert_lines(expert: dict) -> list[str]:
 def _sample_lines(samples: list[dict[str, str]]) -> list[str]:
     lines = [
         "Greedy (`generate(do_sample=False)`, 64 new tokens), prompt then completion, "
-        "not cherry-picked:",
+        "not cherry-picked. The prompts end where a token ends in real code; a prompt "
+        "that stops at a bare newline or inside indentation splits a token the model "
+        "only ever saw whole (byte-level BPE merges a newline with the spaces after it) "
+        "and derails it:",
         "",
     ]
     for sample in samples:

@@ -8,12 +8,16 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+# Prompts end where a token ends in real code ("):", '"""'), not in a newline or
+# indentation: byte-level BPE merges a newline with the spaces after it, so a prompt
+# that stops at a bare newline hands the model a token split it never saw in
+# training (and it duly starts a new top-level statement).
 SAMPLE_PROMPTS = (
-    "def fibonacci(n):\n",
-    "import os\n\ndef ",
-    "class Stack:\n    def __init__(self):\n",
-    'def is_prime(n):\n    """Return True if n is a prime number."""\n',
-    "for i in range(10):\n",
+    "def fibonacci(n):",
+    "import os\n\n\ndef list_python_files(path):",
+    "class Stack:\n    def __init__(self):",
+    'def is_prime(n):\n    """Return True if n is a prime number."""',
+    "for i in range(10):",
 )
 
 
