@@ -116,6 +116,18 @@ def test_sampled_speculation_runs_clean_and_seeded(llama_dir):
     assert all(len(tokens) == 30 for tokens in first)
 
 
+@pytest.mark.parametrize("method", ["draft_other", "eagle"])
+def test_seeded_sampled_speculation_does_not_depend_on_the_batch(llama_dir, model_factory,
+                                                                  eagle_head_dir, method):
+    seeded = SamplingParams(temperature=0.9, max_tokens=24, ignore_eos=True, seed=11)
+    others = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    options = spec_options(method, model_factory, llama_dir, eagle_head_dir)
+    alone = run(make_engine(llama_dir, spec_adaptive=False, **options), [PROMPTS[1]], seeded)
+    crowd = run(make_engine(llama_dir, spec_adaptive=False, **options), PROMPTS[:3],
+                [others, seeded, others])
+    assert crowd[1] == alone[0]
+
+
 def test_logprobs_and_stop_inside_accepted_drafts(llama_dir, reference):
     # The stop token sits in the middle of what the draft (the target itself) proposes:
     # nothing after it may leak, and every emitted token carries its logprob.

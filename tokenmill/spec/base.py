@@ -50,3 +50,33 @@ class Proposer(ABC):
     def release(self, request_id: str) -> None:
         """The request finished or was preempted: drop its state and free its KV."""
         return None  # stateless proposers (n-gram) hold nothing
+
+
+class DraftSampler:
+    """Draws sampled requests' draft tokens from q.
+
+    A request with a seed draws from its own generator (seeded from the request's
+    seed, offset so it is not the verifier's stream), so its drafts, and therefore
+    its output, do not depend on what else shares the batch; unseeded requests share
+    one generator.
+    """
+
+    SEED_OFFSET = 0x5EED
+
+    def __init__(self, seed: int) -> None:
+        self.shared = torch.Generator().manual_seed(seed)
+        self._own: dict[str, torch.Generator] = {}
+
+    def draw(self, q: torch.Tensor, request: Request) -> int:
+        seed = request.sampling_params.seed
+        generator = self.shared
+        if seed is not None:
+            generator = self._own.get(request.request_id)
+            if generator is None:
+                generator = torch.Generator().manual_seed(
+                    seed + request.sample_index + self.SEED_OFFSET)
+                self._own[request.request_id] = generator
+        return int(torch.multinomial(q.cpu(), 1, generator=generator))
+
+    def release(self, request_id: str) -> None:
+        self._own.pop(request_id, None)

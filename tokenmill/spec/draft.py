@@ -20,7 +20,7 @@ from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.model.loader import load_model
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.spec.base import Proposal, Proposer
+from tokenmill.spec.base import DraftSampler, Proposal, Proposer
 from tokenmill.spec.verify import processed_probs
 
 logger = logging.getLogger(__name__)
@@ -42,13 +42,14 @@ class DraftModelProposer(Proposer):
         self.runner = ModelRunner(loaded.model, loaded.arch, num_blocks, block_size,
                                   loaded.device, loaded.dtype, seed=seed)
         self.micro_batch = micro_batch
-        self.generator = torch.Generator().manual_seed(seed)
+        self.sampler = DraftSampler(seed)
         self.shadows: dict[str, Request] = {}
 
     def release(self, request_id: str) -> None:
         shadow = self.shadows.pop(request_id, None)
         if shadow is not None:
             self.kv.free(shadow)
+        self.sampler.release(request_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
@@ -124,9 +125,9 @@ class DraftModelProposer(Proposer):
         if all(p.temperature == 0 for p in params):
             return tokens, None
         probs = processed_probs(logits, params)
-        for row, p in enumerate(params):
+        for row, (shadow, p) in enumerate(zip(shadows, params, strict=True)):
             if p.temperature > 0:
-                tokens[row] = int(torch.multinomial(probs[row], 1, generator=self.generator))
+                tokens[row] = self.sampler.draw(probs[row], shadow)
         return tokens, probs
 
 

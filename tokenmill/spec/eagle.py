@@ -47,7 +47,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.spec.base import Proposal, Proposer
+from tokenmill.spec.base import DraftSampler, Proposal, Proposer
 from tokenmill.spec.verify import processed_probs
 
 FORMAT = "tokenmill-eagle-1"
@@ -300,7 +300,7 @@ class EagleProposer(Proposer):
         self.runner = ModelRunner(head, head.arch, num_blocks, block_size, self.device,
                                   self.dtype)
         self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.sampler = DraftSampler(seed)
         self._sequences: dict[str, _DraftSequence] = {}
 
     @classmethod
@@ -336,6 +336,7 @@ class EagleProposer(Proposer):
         sequence = self._sequences.pop(request_id, None)
         if sequence is not None:
             self.kv_manager.free(sequence)
+        self.sampler.release(request_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
@@ -450,9 +451,8 @@ class EagleProposer(Proposer):
         if sampled_rows:
             params = [drafts[row].request.sampling_params for row in sampled_rows]
             q = processed_probs(logits[sampled_rows], params)
-            picks = torch.multinomial(q, 1, generator=self.generator).squeeze(1).tolist()
-            for row, q_row, token in zip(sampled_rows, q, picks, strict=True):
+            for row, q_row in zip(sampled_rows, q, strict=True):
                 drafts[row].probs.append(q_row)
-                chosen[row] = token
+                chosen[row] = self.sampler.draw(q_row, drafts[row].request)
         for draft, token in zip(drafts, chosen, strict=True):
             draft.token_ids.append(token)
