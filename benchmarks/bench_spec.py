@@ -1,8 +1,8 @@
 """Speculative decoding on the embedded model: none vs n-gram vs draft vs EAGLE.
 
 Workload: Python-completion prompts cut from the held-out stdlib files (never seen
-in training): --prompts prompts of --prompt-tokens tokens starting at a seeded
-random line of each file, --max-tokens greedy new tokens each (EOS ignored, so
+in training): --prompts windows of --prompt-tokens tokens at seeded random offsets,
+files taken round-robin, --max-tokens greedy new tokens each (EOS ignored, so
 every configuration does the same work). Each batch size b runs the whole set with
 at most b requests in flight (b = 1 is single-stream).
 
@@ -41,21 +41,22 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def build_prompts(engine: LLMEngine, count: int, prompt_tokens: int, max_tokens: int,
                   seed: int) -> list[WorkloadRequest]:
-    """Prompts from distinct held-out files, each starting at a random line."""
+    """Prompts from the held-out files, each starting at a random line; files are
+    taken round-robin (several windows per file when there are fewer files than
+    prompts)."""
     rng = random.Random(seed)
-    texts = [t for t in held_out_texts() if len(t) > 8 * prompt_tokens]
-    rng.shuffle(texts)
+    files = [engine.encode(t) for t in held_out_texts()]
+    files = [ids for ids in files if len(ids) >= prompt_tokens + 8]
+    if not files:
+        raise SystemExit(f"no held-out file has {prompt_tokens} tokens")
+    rng.shuffle(files)
     prompts = []
-    for text in texts:
-        lines = text.splitlines(keepends=True)
-        start = rng.randrange(max(len(lines) // 2, 1))
-        ids = engine.encode("".join(lines[start:]))
-        if len(ids) >= prompt_tokens:
-            prompts.append(WorkloadRequest(ids[:prompt_tokens], prompt_tokens, max_tokens))
-        if len(prompts) == count:
-            return prompts
-    raise SystemExit(f"only {len(prompts)} held-out files are long enough for "
-                     f"{prompt_tokens}-token prompts")
+    for index in range(count):
+        ids = files[index % len(files)]
+        start = rng.randrange(len(ids) - prompt_tokens)
+        prompts.append(WorkloadRequest(ids[start:start + prompt_tokens], prompt_tokens,
+                                       max_tokens))
+    return prompts
 
 
 def configurations(model: str, methods: list[str], k: int) -> list[tuple[str, dict]]:
