@@ -213,6 +213,7 @@ class LLMEngine:
         tracer = self.tracer
         if tracer is not None:
             tracer.begin_step()
+        step_started = time.perf_counter()
         if self.proposer is not None:
             self._propose()
         sched = self.scheduler.schedule()
@@ -225,13 +226,15 @@ class LLMEngine:
             tracer.scheduled(sched, len(self.scheduler.running), len(self.scheduler.waiting))
         tables = {r.request_id: self.kv_manager.get_block_table(r.request_id)
                   for r, _ in sched.scheduled}
+        decode_only = self.spec_controller is not None and all(
+            r.num_computed_tokens + n >= r.num_tokens for r, n in sched.scheduled)
         started = time.perf_counter()
         result = self.runner.execute(sched, tables)
-        if self.spec_controller is not None and all(
-                r.num_computed_tokens + n >= r.num_tokens for r, n in sched.scheduled):
+        if decode_only:
             # Decode-only steps (speculative rows included) feed the cost fit.
             self.spec_controller.record_forward(sched.num_batched_tokens,
                                                 time.perf_counter() - started)
+        generated_before = self.stats.generation_tokens
         self.stats.num_steps += 1
         now = time.monotonic()
         touched: dict[str, RequestGroup] = {}
@@ -266,6 +269,10 @@ class LLMEngine:
             # After the tokens are appended: accepted drafts are computed tokens now.
             self.kv_manager.cache_full_blocks(request)
         outputs = [self._group_output(g) for g in touched.values()]
+        if decode_only:
+            self.spec_controller.record_step(time.perf_counter() - step_started,
+                                             self.stats.generation_tokens - generated_before,
+                                             speculated=bool(result.spec_tokens))
         if tracer is not None:
             tracer.end_step()
         return outputs

@@ -1,19 +1,26 @@
-"""When to speculate, and how far: a per-request acceptance estimate against measured costs.
+"""When to speculate, and how far: per-request acceptance against measured costs,
+guarded by a direct A/B of measured step throughput.
 
 With per-token acceptance α and k drafts, a verification step emits on average
 E(α, k) = (1 - α^(k+1)) / (1 - α) tokens (Leviathan et al. 2023). It costs one
-request's share of a step, S, plus, per drafted token, the proposer's time d and
-the marginal verification time b. Speculating k tokens pays when
-E(α, k) / (S + k (b + d)) beats the plain rate 1 / S; the controller picks the k in
-[0, K] with the best rate.
+request's share of a step, S, plus the verification of k more tokens (k b) and the
+proposer's time (its share of a fixed per-call cost p0, plus k p1). The controller
+picks the k in [0, K] with the best E / cost; k = 0 is plain decoding at 1 / S.
 
-Everything on the right is measured while serving: S and b from a running
-least-squares fit of decode-step forward time against the number of tokens in the
-step (a + b tokens, with S = (a + b B) / B at B decoding requests), d from the
-proposer's wall time per drafted token. α is an exponentially decayed count of
-accepted over verified draft positions per request, starting from an optimistic
-prior so that a request gets to try. A request that stopped speculating is probed
-with one token every probe_interval steps so that it can come back.
+The right-hand side is measured while serving: running least-squares fits of
+decode-step forward time against the tokens in the step (a + b tokens, with
+S = (a + b B) / B at B decoding requests) and of proposer time against the tokens
+it drafted (p0 + p1 tokens). α is an exponentially decayed count of accepted over
+verified draft positions per request, starting from an optimistic prior so that a
+request gets to try; a request that stopped speculating is probed with one token
+every probe_interval steps so that it can come back.
+
+A cost model can be wrong (caches, thread pools, Python overhead that does not
+scale like the fits assume), so a guard compares what matters directly: seconds
+per emitted token of whole decode steps with and without speculation (one plain
+step is forced every probe_interval steps to keep that figure fresh). While
+speculating measures slower, nobody speculates except a probe step every
+probe_interval steps.
 """
 
 from __future__ import annotations
@@ -76,6 +83,25 @@ class StepCostFit:
         return a, b
 
 
+class StepRate:
+    """Exponentially weighted seconds per emitted token."""
+
+    def __init__(self, decay: float = 0.9) -> None:
+        self.decay = decay
+        self.seconds = 0.0
+        self.tokens = 0.0
+        self.samples = 0
+
+    def add(self, seconds: float, tokens: int) -> None:
+        self.seconds = self.decay * self.seconds + seconds
+        self.tokens = self.decay * self.tokens + tokens
+        self.samples += 1
+
+    @property
+    def per_token(self) -> float | None:
+        return self.seconds / self.tokens if self.samples >= 3 and self.tokens else None
+
+
 class SpecController:
     def __init__(self, config: SpecConfig) -> None:
         self.max_k = config.num_speculative_tokens
@@ -83,8 +109,10 @@ class SpecController:
         self.probe_interval = config.spec_probe_interval
         self.states: dict[str, RequestSpecState] = {}
         self.fit = StepCostFit()
-        self.propose_seconds = 0.0
-        self.proposed_tokens = 0.0
+        self.propose_fit = StepCostFit()
+        self.plain_rate = StepRate()
+        self.spec_rate = StepRate()
+        self.steps = 0
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -101,9 +129,18 @@ class SpecController:
         self.fit.add(num_tokens, seconds)
 
     def record_propose(self, num_tokens: int, seconds: float) -> None:
-        if num_tokens:
-            self.propose_seconds = DECAY * self.propose_seconds + seconds
-            self.proposed_tokens = DECAY * self.proposed_tokens + num_tokens
+        """One proposer call (including calls that found nothing to propose)."""
+        self.propose_fit.add(num_tokens, seconds)
+
+    def record_step(self, seconds: float, num_emitted: int, speculated: bool) -> None:
+        """A whole decode-only step (propose to last emitted token) for the guard."""
+        if num_emitted:
+            (self.spec_rate if speculated else self.plain_rate).add(seconds, num_emitted)
+
+    @property
+    def speculation_losing(self) -> bool:
+        plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
+        return plain is not None and spec is not None and spec > plain
 
     def record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         state = self.state(request)
@@ -116,18 +153,25 @@ class SpecController:
         """Tokens to propose per request (0: decode normally); limits cap each k."""
         if not self.adaptive:
             return [min(self.max_k, limit) for limit in limits]
+        self.steps += 1
+        phase = self.steps % self.probe_interval
+        if phase == 0:
+            return [0] * len(requests)  # a plain step keeps the guard's baseline fresh
+        probe_step = phase == self.probe_interval // 2
+        if self.speculation_losing and not probe_step:
+            return [0] * len(requests)
         fit = self.fit.coefficients()
         if fit is None:
             return [min(self.max_k, limit) for limit in limits]
         a, b = fit
         batch = max(len(requests), 1)
         share = (a + b * batch) / batch  # one request's part of a plain step
-        per_draft = b + (self.propose_seconds / self.proposed_tokens
-                         if self.proposed_tokens else 0.0)
+        p0, p1 = self.propose_fit.coefficients() or (0.0, 0.0)
+        fixed = p0 / batch  # the proposer call is shared by the batch
         plan = []
         for request, limit in zip(requests, limits, strict=True):
             state = self.state(request)
-            k = self._best_k(state.alpha, share, per_draft, min(self.max_k, limit))
+            k = self._best_k(state.alpha, share, fixed, b + p1, min(self.max_k, limit))
             if k == 0 and limit > 0:
                 state.idle_steps += 1
                 if state.idle_steps >= self.probe_interval:
@@ -139,12 +183,12 @@ class SpecController:
         return plan
 
     @staticmethod
-    def _best_k(alpha: float, share: float, per_draft: float, max_k: int) -> int:
+    def _best_k(alpha: float, share: float, fixed: float, per_draft: float, max_k: int) -> int:
         if share <= 0.0:
             return max_k
         best_k, best_rate = 0, 1.0 / share
         for k in range(1, max_k + 1):
-            rate = expected_tokens(alpha, k) / (share + k * per_draft)
+            rate = expected_tokens(alpha, k) / (share + fixed + k * per_draft)
             if rate > best_rate * 1.02:  # a 2% margin against measurement noise
                 best_k, best_rate = k, rate
         return best_k
