@@ -34,6 +34,9 @@ def feed(controller: SpecController, a: float, b: float, draft_cost: float) -> N
         controller.record_forward(tokens, a + b * tokens)
     for drafted in (4, 8, 12):
         controller.record_propose(drafted, drafted * draft_cost)
+    for _ in range(3):  # whole steps measured so far: speculation is not losing
+        controller.record_step(a + b, 1, speculated=False)
+        controller.record_step(a + 5 * b, 3, speculated=True)
 
 
 def test_high_acceptance_with_cheap_drafts_speculates_fully():

@@ -226,8 +226,10 @@ class LLMEngine:
             tracer.scheduled(sched, len(self.scheduler.running), len(self.scheduler.waiting))
         tables = {r.request_id: self.kv_manager.get_block_table(r.request_id)
                   for r, _ in sched.scheduled}
+        # Every row one real token on a cached context (plus its speculative ones):
+        # the steps the controller's fits and guard compare.
         decode_only = self.spec_controller is not None and all(
-            r.num_computed_tokens + n >= r.num_tokens for r, n in sched.scheduled)
+            r.num_computed_tokens == r.num_tokens - 1 > 0 for r, _ in sched.scheduled)
         started = time.perf_counter()
         result = self.runner.execute(sched, tables)
         if decode_only:

@@ -155,8 +155,11 @@ class SpecController:
             return [min(self.max_k, limit) for limit in limits]
         self.steps += 1
         phase = self.steps % self.probe_interval
-        if phase == 0:
-            return [0] * len(requests)  # a plain step keeps the guard's baseline fresh
+        warming = self.plain_rate.per_token is None and self.steps % 2 == 0
+        if phase == 0 or warming:
+            # Plain steps keep the guard's baseline fresh (every other step until it
+            # has one, so a losing configuration is caught within a few steps).
+            return [0] * len(requests)
         probe_step = phase == self.probe_interval // 2
         if self.speculation_losing and not probe_step:
             return [0] * len(requests)
