@@ -19,8 +19,9 @@ A cost model can be wrong (caches, thread pools, Python overhead that does not
 scale like the fits assume), so a guard compares what matters directly: seconds
 per emitted token of whole decode steps with and without speculation (one plain
 step is forced every probe_interval steps to keep that figure fresh). While
-speculating measures slower, nobody speculates except a probe step every
-probe_interval steps.
+speculating measures slower, nobody speculates except probe steps, spaced
+probe_interval steps apart and twice as far each time speculation still loses
+(up to 16 intervals).
 """
 
 from __future__ import annotations
@@ -113,6 +114,8 @@ class SpecController:
         self.plain_rate = StepRate()
         self.spec_rate = StepRate()
         self.steps = 0
+        self.last_probe = 0
+        self.guard_interval = config.spec_probe_interval
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -160,9 +163,15 @@ class SpecController:
             # Plain steps keep the guard's baseline fresh (every other step until it
             # has one, so a losing configuration is caught within a few steps).
             return [0] * len(requests)
-        probe_step = phase == self.probe_interval // 2
-        if self.speculation_losing and not probe_step:
-            return [0] * len(requests)
+        if self.speculation_losing:
+            # Off, but probe now and then (backing off while it keeps losing: a probe
+            # step of an expensive proposer costs several plain steps).
+            if self.steps - self.last_probe < self.guard_interval:
+                return [0] * len(requests)
+            self.last_probe = self.steps
+            self.guard_interval = min(2 * self.guard_interval, 16 * self.probe_interval)
+        else:
+            self.guard_interval = self.probe_interval
         fit = self.fit.coefficients()
         if fit is None:
             return [min(self.max_k, limit) for limit in limits]
