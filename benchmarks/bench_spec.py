@@ -159,26 +159,31 @@ def plot(results: list[dict], by_position: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     configs = list(dict.fromkeys(r["config"] for r in results))
     batches = sorted({r["batch"] for r in results})
+    methods = list(dict.fromkeys(name.split(" ")[0] for name in configs))
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
     for name in configs:
         points = [next(r["speedup"] for r in results if r["config"] == name and r["batch"] == b)
                   for b in batches]
         style = "--" if "fixed" in name else "-"
-        axes[0].plot([str(b) for b in batches], points, style, marker="o", label=name)
+        axes[0].plot([str(b) for b in batches], points, style, marker="o", label=name,
+                     color=colors[name.split(" ")[0]])
     axes[0].axhline(1.0, color="grey", linewidth=0.8)
     axes[0].set_xlabel("requests in flight")
     axes[0].set_ylabel("output tokens/s vs no speculation")
-    axes[0].set_title("Speculative decoding speedup")
+    axes[0].set_title("Speedup (solid: adaptive, dashed: fixed k)")
     axes[0].grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     for name, (drafted, accepted) in by_position.items():
-        if "fixed" in name or not drafted:
+        if "fixed" not in name or not drafted:
             continue
         rates = [a / d if d else 0.0 for d, a in zip(drafted, accepted, strict=True)]
-        axes[1].plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+        axes[1].plot(range(1, len(rates) + 1), rates, "--", marker="o", label=name,
+                     color=colors[name.split(" ")[0]])
     axes[1].set_xlabel("draft position")
+    axes[1].set_xticks(range(1, max(len(d) for d, _ in by_position.values()) + 1))
     axes[1].set_ylabel("accepted / drafted")
     axes[1].set_ylim(0, 1.05)
-    axes[1].set_title("Acceptance by position (adaptive runs, all batch sizes)")
+    axes[1].set_title("Acceptance by position (fixed k, all batch sizes)")
     axes[1].grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     fig.tight_layout()
@@ -186,5 +191,13 @@ def plot(results: list[dict], by_position: dict, path: Path) -> None:
     plt.close(fig)
 
 
+def replot(json_path: Path) -> None:
+    data = json.loads(json_path.read_text())
+    plot(data["results"], data["by_position"], json_path.with_name("spec_speedup.png"))
+
+
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--replot":  # redraw from a saved JSON
+        replot(Path(sys.argv[2]))
+        sys.exit(0)
     sys.exit(main())
