@@ -31,6 +31,30 @@ from tokenmill.bench.workload import WorkloadRequest
 PEERS_DIR = Path(os.environ.get("TOKENMILL_PEERS_DIR", CACHE / "peers"))
 
 
+
+# Runs llama.cpp's convert_hf_to_gguf.py (argv[1]) with its remaining arguments. The
+# converter recognises a BPE tokenizer's pre-tokenizer by hashing how it splits a
+# probe text and refuses unknown ones; local tokenizers (the benchmarks' byte-level
+# BPE) are unknown to it, so an unrecognised one is declared GPT-2 style. Prompts are
+# sent as token ids, so this never changes what the benchmark computes.
+_CONVERT_ANY_BPE = """
+import runpy, sys
+from pathlib import Path
+converter = sys.argv[1]
+sys.path.insert(0, str(Path(converter).parent))
+import conversion.base as base
+original = base.TextModel.get_vocab_base_pre
+def get_vocab_base_pre(self, tokenizer):
+    try:
+        return original(self, tokenizer)
+    except NotImplementedError:
+        print('tokenmill: unrecognised BPE pre-tokenizer, declaring it gpt-2', file=sys.stderr)
+        return 'gpt-2'
+base.TextModel.get_vocab_base_pre = get_vocab_base_pre
+sys.argv = sys.argv[1:]
+runpy.run_path(converter, run_name='__main__')
+"""
+
 class Peer(ABC):
     name: str
 
@@ -248,8 +272,9 @@ class LlamaCppPeer(ServerPeer):
         out = PEERS_DIR / "gguf" / f"{source.name}-{stamp}-{self.outtype}.gguf"
         if not out.is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
-            subprocess.run([str(self.python), str(self.converter), str(source), "--outfile",
-                            str(out), "--outtype", self.outtype], check=True)
+            subprocess.run([str(self.python), "-c", _CONVERT_ANY_BPE, str(self.converter),
+                            str(source), "--outfile", str(out), "--outtype", self.outtype],
+                           check=True)
         return out
 
     def server_command(self, model_dir: str, port: int, max_concurrency: int, threads: int,
