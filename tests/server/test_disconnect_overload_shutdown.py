@@ -43,7 +43,9 @@ def test_dropped_stream_is_aborted_and_frees_its_kv_blocks(server):
 
 def test_client_gone_during_non_streamed_request_aborts_it(server):
     aborted_before = metric_value(metrics(server), ABORTED)
-    body = json.dumps(LONG).encode()
+    # Sixteen prompts in one request: long enough (on a fast host one tiny-model
+    # request of 480 tokens can finish before the disconnect is noticed).
+    body = json.dumps({**LONG, "prompt": [LONG["prompt"]] * 16}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
             f"Authorization: Bearer {server.api_key}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
