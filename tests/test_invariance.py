@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.engine_run import run_staggered
 from tokenmill import SamplingParams
 from tokenmill.engine.engine import LLMEngine
 
@@ -30,23 +31,10 @@ def reference(llama_dir) -> list[list[int]]:
     return [run_alone(engine, p) for p in PROMPTS]
 
 
-def run_all(engine: LLMEngine, arrivals: dict[int, list[int]] | None = None) -> list[list[int]]:
+def run_all(engine: LLMEngine, arrivals: dict[int, int] | None = None) -> list[list[int]]:
     """Add prompt i at step arrivals[i] (default: all at step 0); step until done."""
-    arrivals = arrivals or {i: 0 for i in range(len(PROMPTS))}
-    results: dict[str, list[int]] = {}
-    step = 0
-    while len(results) < len(PROMPTS):
-        for index, at in arrivals.items():
-            if at == step:
-                engine.add_request(f"r{index}", PROMPTS[index], GREEDY)
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0].token_ids
-        engine.check_integrity()
-        step += 1
-        assert step < 2000, "engine did not finish"
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
-    return [results[f"r{i}"] for i in range(len(PROMPTS))]
+    steps = [arrivals[i] for i in range(len(PROMPTS))] if arrivals else None
+    return run_staggered(engine, PROMPTS, GREEDY, steps, max_steps=2000)
 
 
 def test_staggered_batch_matches_each_alone(llama_dir, reference):

@@ -89,6 +89,18 @@ def simulate(arrivals, block_size, num_blocks, config, prefix_caching, vocab=5, 
     return kv, sched, finished, all_requests
 
 
+def check_outcome(arrivals, kv, sched, finished, requests) -> None:
+    """Every request finished with exactly its tokens, and the pool is whole."""
+    assert len(finished) == len(requests) == len(arrivals)
+    for req in finished:
+        # The fake model's output is a function of position only, so recompute after
+        # preemption (and rollback after speculation) must reproduce it exactly.
+        expected = [(req.num_prompt_tokens + i) % 5 for i in range(req.max_tokens)]
+        assert req.output_token_ids == expected
+    assert kv.num_free_blocks == kv.num_blocks
+    kv.check_integrity()
+
+
 request_strategy = st.tuples(st.integers(0, 30), st.lists(st.integers(0, 4), min_size=1,
                                                            max_size=60), st.integers(1, 20))
 
@@ -108,16 +120,7 @@ def test_random_workloads_finish_within_budget_and_return_every_block(
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs,
                              chunk_policy=chunk_policy, chunk_size=chunk_size,
                              dynamic_chunk_threshold=8, starvation_queue_threshold=starvation)
-    kv, sched, finished, requests = simulate(arrivals, block_size, num_blocks, config,
-                                             prefix_caching)
-    assert len(finished) == len(requests) == len(arrivals)
-    for req in finished:
-        # The fake model's output is a function of position only, so recompute after
-        # preemption must reproduce it exactly.
-        expected = [(req.num_prompt_tokens + i) % 5 for i in range(req.max_tokens)]
-        assert req.output_token_ids == expected
-    assert kv.num_free_blocks == kv.num_blocks
-    kv.check_integrity()
+    check_outcome(arrivals, *simulate(arrivals, block_size, num_blocks, config, prefix_caching))
 
 
 @settings(max_examples=150, deadline=None)
@@ -131,14 +134,8 @@ def test_random_workloads_with_speculation_stay_exact_and_whole(
     # Room for the longest request plus its lookahead slots.
     num_blocks = -(-(longest + spec_k) // block_size) + 1
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs, chunk_size=7)
-    kv, sched, finished, requests = simulate(arrivals, block_size, num_blocks, config,
-                                             prefix_caching, spec_k=spec_k, seed=seed)
-    assert len(finished) == len(requests) == len(arrivals)
-    for req in finished:
-        expected = [(req.num_prompt_tokens + i) % 5 for i in range(req.max_tokens)]
-        assert req.output_token_ids == expected
-    assert kv.num_free_blocks == kv.num_blocks
-    kv.check_integrity()
+    check_outcome(arrivals, *simulate(arrivals, block_size, num_blocks, config, prefix_caching,
+                                      spec_k=spec_k, seed=seed))
 
 
 def test_decodes_go_first_and_prefills_take_the_rest():

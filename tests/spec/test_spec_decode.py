@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from tests.engine_run import run_staggered
 from tokenmill import SamplingParams
 from tokenmill.config import DEFAULT_MODEL_DIR
 from tokenmill.engine.engine import LLMEngine
@@ -26,23 +27,7 @@ def make_engine(model_dir, **options) -> LLMEngine:
 
 
 def run(engine: LLMEngine, prompts, params=GREEDY, arrivals=None) -> list[list[int]]:
-    """Add prompt i at step arrivals[i] (default 0), checking integrity every step."""
-    arrivals = arrivals or [0] * len(prompts)
-    results: dict[str, list[int]] = {}
-    step = 0
-    while len(results) < len(prompts):
-        for index, at in enumerate(arrivals):
-            if at == step:
-                p = params[index] if isinstance(params, list) else params
-                engine.add_request(f"r{index}", prompts[index], p)
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0].token_ids
-        engine.check_integrity()
-        step += 1
-        assert step < 3000, "engine did not finish"
-    assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
-    return [results[f"r{i}"] for i in range(len(prompts))]
+    return run_staggered(engine, prompts, params, arrivals)
 
 
 @pytest.fixture(scope="module")

@@ -233,7 +233,6 @@ class LLMEngine:
         started = time.perf_counter()
         result = self.runner.execute(sched, tables)
         if decode_only:
-            # Decode-only steps (speculative rows included) feed the cost fit.
             self.spec_controller.record_forward(sched.num_batched_tokens,
                                                 time.perf_counter() - started)
         generated_before = self.stats.generation_tokens
@@ -262,7 +261,7 @@ class LLMEngine:
                 request.prompt_logprobs.extend(result.prompt_logprobs[request.request_id])
             if request.request_id in result.hidden:
                 self.proposer.observe(request, first_position,
-                                      result.hidden[request.request_id][1][:num_verified])
+                                      result.hidden[request.request_id][:num_verified])
             for position, token in enumerate(emitted):
                 self._emit(request, token, logprobs[position] if logprobs else None, now,
                            group.detokenizers[index])

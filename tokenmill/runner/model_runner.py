@@ -35,9 +35,9 @@ class StepResult:
     # corrected or bonus token), and their logprobs when asked for.
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-    # With keep_hidden: request_id -> (first position, final hidden states [n, h]) of
-    # the positions computed this step (speculative ones included).
-    hidden: dict[str, tuple[int, torch.Tensor]] = field(default_factory=dict)
+    # With keep_hidden: request_id -> final hidden states [n, h] of the positions
+    # computed this step (from num_computed_tokens on, speculative ones included).
+    hidden: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -99,10 +99,10 @@ class ModelRunner:
         for request, num_new in ordered:
             start = request.num_computed_tokens
             table = block_tables[request.request_id]
-            ids = request.all_token_ids
-            if start + num_new > len(ids):
-                ids = ids + request.spec_token_ids
-            tokens.extend(ids[start:start + num_new])
+            ids, end = request.all_token_ids, start + num_new
+            tokens.extend(ids[start:end])
+            if end > len(ids):  # the speculative tokens follow the real ones
+                tokens.extend(request.spec_token_ids[max(start - len(ids), 0):end - len(ids)])
             for pos in range(start, start + num_new):
                 positions.append(pos)
                 slots.append(table[pos // size] * size + pos % size)
@@ -182,8 +182,7 @@ class ModelRunner:
         for request, num_new in ordered:
             end = request.num_computed_tokens + num_new
             if self.keep_hidden:
-                result.hidden[request.request_id] = (request.num_computed_tokens,
-                                                     hidden[offset:offset + num_new])
+                result.hidden[request.request_id] = hidden[offset:offset + num_new]
             if request.prompt_logprobs is not None:
                 self._prompt_logprobs(request, num_new, hidden[offset:offset + num_new], result)
             if request.spec_token_ids and end > request.num_tokens:

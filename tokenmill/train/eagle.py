@@ -53,7 +53,7 @@ from tokenmill.spec.eagle import (
 from tokenmill.train.clock import TrainingClock, learning_rate
 from tokenmill.train.curve import plot_loss_curve
 from tokenmill.train.eagle_card import render_eagle_card
-from tokenmill.train.packing import evaluation_windows, pack_documents, training_batches
+from tokenmill.train.packing import evaluation_windows, pack_corpus, training_batches
 from tokenmill.train.presets import Phase, Schedule
 from tokenmill.train.threads import ThreadChooser
 from tokenmill.train.tokenizer import END_OF_TEXT, load_tokenizer
@@ -337,11 +337,11 @@ def train_eagle_head(target_dir: Path, out_dir: Path, train_texts: list[str],
     torch.set_num_threads(TRAIN_THREADS)
     schedule = recipe.schedule
     tokenizer = load_tokenizer(target_dir)
-    end_of_text_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
-    train_tokens = pack_documents(tokenizer.backend_tokenizer, train_texts, end_of_text_id)
-    held_out_tokens = pack_documents(tokenizer.backend_tokenizer, held_out_texts, end_of_text_id)
-    eval_windows = evaluation_windows(held_out_tokens, schedule.eval_seq_len,
-                                      schedule.eval_windows)
+    corpus = pack_corpus(tokenizer.backend_tokenizer, tokenizer.convert_tokens_to_ids(END_OF_TEXT),
+                         train_texts, held_out_texts, schedule.eval_seq_len,
+                         schedule.eval_windows)
+    train_tokens, held_out_tokens, eval_windows = (corpus.train, corpus.held_out,
+                                                   corpus.eval_windows)
     target = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32)
     target.eval().requires_grad_(False)
     arch = read_config(target_dir)

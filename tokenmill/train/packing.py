@@ -10,6 +10,7 @@ any two runs with the same seed see identical batches.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from tokenizers import Tokenizer
@@ -22,6 +23,22 @@ def pack_documents(tokenizer: Tokenizer, texts: Iterable[str], end_of_text_id: i
         ids.extend(encoding.ids)
         ids.append(end_of_text_id)
     return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class PackedCorpus:
+    train: torch.Tensor  # every training document, packed
+    held_out: torch.Tensor  # every held-out document, packed
+    eval_windows: torch.Tensor  # the periodic-evaluation subset of held-out windows
+
+
+def pack_corpus(tokenizer: Tokenizer, end_of_text_id: int, train_texts: Iterable[str],
+                held_out_texts: Iterable[str], eval_seq_len: int,
+                eval_windows: int | None) -> PackedCorpus:
+    """Both splits packed, and the held-out windows periodic evaluation scores."""
+    train = pack_documents(tokenizer, train_texts, end_of_text_id)
+    held_out = pack_documents(tokenizer, held_out_texts, end_of_text_id)
+    return PackedCorpus(train, held_out, evaluation_windows(held_out, eval_seq_len, eval_windows))
 
 
 def training_batches(

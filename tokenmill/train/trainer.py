@@ -30,7 +30,7 @@ from transformers import (
 from tokenmill.train.clock import TrainingClock, learning_rate
 from tokenmill.train.curve import plot_loss_curve
 from tokenmill.train.evaluation import held_out_loss
-from tokenmill.train.packing import evaluation_windows, pack_documents, training_batches
+from tokenmill.train.packing import evaluation_windows, pack_corpus, training_batches
 from tokenmill.train.presets import Preset, Schedule
 from tokenmill.train.threads import ThreadChooser
 from tokenmill.train.tokenizer import END_OF_TEXT, copy_tokenizer_files, load_tokenizer
@@ -206,10 +206,11 @@ def train_model(
     torch.set_num_threads(TRAIN_THREADS)
     schedule = preset.schedule
     tokenizer = load_tokenizer(tokenizer_dir)
-    end_of_text_id = tokenizer.convert_tokens_to_ids(END_OF_TEXT)
-    train_tokens = pack_documents(tokenizer.backend_tokenizer, train_texts, end_of_text_id)
-    held_out_tokens = pack_documents(tokenizer.backend_tokenizer, held_out_texts, end_of_text_id)
-    eval_windows = evaluation_windows(held_out_tokens, schedule.eval_seq_len, schedule.eval_windows)
+    corpus = pack_corpus(tokenizer.backend_tokenizer, tokenizer.convert_tokens_to_ids(END_OF_TEXT),
+                         train_texts, held_out_texts, schedule.eval_seq_len,
+                         schedule.eval_windows)
+    train_tokens, held_out_tokens, eval_windows = (corpus.train, corpus.held_out,
+                                                   corpus.eval_windows)
 
     torch.manual_seed(schedule.seed)
     if init_from is None:
