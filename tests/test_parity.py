@@ -13,11 +13,12 @@ PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 61)), [7, 7, 7], [300, 12]]
 NEW_TOKENS = 32
 
 
+@pytest.mark.parametrize("cpu_blas", ["numpy", "torch"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_greedy_tokens_and_logprobs_match_transformers(family, model_factory):
+def test_greedy_tokens_and_logprobs_match_transformers(family, cpu_blas, model_factory):
     model_dir = model_factory(family)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(str(model_dir), progress=False)
+    llm = LLM(str(model_dir), progress=False, cpu_blas=cpu_blas)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
                             logprobs=5, prompt_logprobs=1)
     outputs = llm.generate(PROMPTS, params)

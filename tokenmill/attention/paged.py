@@ -28,26 +28,28 @@ class PagedAttention(AttentionBackend):
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], kv_cache, metadata, scale)
         for chunk in metadata.prefills:
-            q_chunk = q[chunk.start:chunk.end].transpose(0, 1)  # [H, n, D]
+            # [1, H, n, D]: with a batch dimension SDPA takes its fused CPU kernel
+            # (3-D inputs fall back to the unfused math path, 1.7x slower).
+            q_chunk = q[chunk.start:chunk.end].transpose(0, 1)[None]
             if chunk.context_len == 0 and not kv_cache.quantized:
                 # Nothing cached: attend to the chunk's own fresh K/V (exactly what the
                 # cache holds when it stores the model dtype).
-                k_seq = k[chunk.start:chunk.end].transpose(0, 1)
-                v_seq = v[chunk.start:chunk.end].transpose(0, 1)
+                k_seq = k[chunk.start:chunk.end].transpose(0, 1)[None]
+                v_seq = v[chunk.start:chunk.end].transpose(0, 1)[None]
                 o = F.scaled_dot_product_attention(q_chunk, k_seq, v_seq, is_causal=True,
                                                    scale=scale, enable_gqa=True)
             else:
                 # Read back from the cache, the chunk included: a quantized cache's later
                 # readers see the dequantised values, so this chunk must too.
                 k_seq, v_seq = kv_cache.gather(chunk.block_table)
-                k_seq = k_seq[:chunk.seq_len].transpose(0, 1)
-                v_seq = v_seq[:chunk.seq_len].transpose(0, 1)
+                k_seq = k_seq[:chunk.seq_len].transpose(0, 1)[None]
+                v_seq = v_seq[:chunk.seq_len].transpose(0, 1)[None]
                 query_pos = torch.arange(chunk.context_len, chunk.seq_len, device=q.device)
                 key_pos = torch.arange(chunk.seq_len, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]  # [n, seq_len]
                 o = F.scaled_dot_product_attention(q_chunk, k_seq, v_seq, attn_mask=mask,
                                                    scale=scale, enable_gqa=True)
-            out[chunk.start:chunk.end] = o.transpose(0, 1)
+            out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,

@@ -21,6 +21,7 @@ from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.memory import plan_kv_blocks
 from tokenmill.engine.request import Request
 from tokenmill.engine.scheduler import Scheduler
+from tokenmill.layers import cpu_blas
 from tokenmill.model.loader import load_model
 from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tokenmill.runner.model_runner import ModelRunner
@@ -123,6 +124,13 @@ class LLMEngine:
                                   loaded.device, loaded.dtype, seed=mcfg.seed,
                                   kv_cache_dtype=config.cache.kv_cache_dtype)
         self.proposer = build_proposer(config, arch, loaded, plan.num_blocks, progress)
+        self.numpy_blas = cpu_blas.wanted(mcfg.cpu_blas, loaded.device, loaded.dtype)
+        if self.numpy_blas:
+            cpu_blas.set_blas_threads(mcfg.num_threads or torch.get_num_threads())
+            cpu_blas.attach(loaded.model)
+            proposer_runner = getattr(self.proposer, "runner", None)
+            if proposer_runner is not None:
+                cpu_blas.attach(proposer_runner.model)
         self.spec_controller = SpecController(config.spec) if self.proposer else None
         self.runner.keep_hidden = bool(self.proposer and self.proposer.needs_hidden_states)
         self.groups: dict[str, RequestGroup] = {}
@@ -210,6 +218,12 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if not self.numpy_blas:
+            return self._step()
+        with cpu_blas.single_torch_thread():
+            return self._step()
+
+    def _step(self) -> list[RequestOutput]:
         tracer = self.tracer
         if tracer is not None:
             tracer.begin_step()

@@ -10,9 +10,12 @@ construction; loading transposes checkpoint tensors as they are copied in.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tokenmill.layers import cpu_blas
 
 
 class Linear(nn.Module):
@@ -25,8 +28,17 @@ class Linear(nn.Module):
         shape = (in_features, out_features) if transposed else (out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        # A NumPy view [in, out] of the weight when products go through NumPy's BLAS
+        # (cpu_blas.attach; used only without autograd).
+        self.blas_weight: np.ndarray | None = None
+
+    def use_numpy_blas(self) -> None:
+        self.blas_weight = cpu_blas.numpy_weight(self.weight, self.transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.blas_weight is not None and not torch.is_grad_enabled():
+            out = cpu_blas.matmul(x, self.blas_weight)
+            return out + self.bias if self.bias is not None else out
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
         out = x @ self.weight

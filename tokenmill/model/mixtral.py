@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers import cpu_blas
 from tokenmill.layers.linear import Linear
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.llama import LlamaForCausalLM
@@ -31,6 +32,21 @@ class SparseMoE(nn.Module):
         # Tokens routed to each expert since the last reset (expert-load statistics).
         self.register_buffer("expert_load", torch.zeros(arch.num_experts, dtype=torch.int64),
                              persistent=False)
+        # Per expert NumPy views [in, out] of gate_up and down (cpu_blas.attach).
+        self.blas_weights: list[tuple] | None = None
+
+    def use_numpy_blas(self) -> None:
+        self.blas_weights = [(cpu_blas.numpy_weight(self.gate_up[e], transposed=False),
+                              cpu_blas.numpy_weight(self.down[e], transposed=False))
+                             for e in range(self.num_experts)]
+
+    def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self.blas_weights is not None and not torch.is_grad_enabled():
+            gate_up, down = self.blas_weights[expert]
+            gate, up = cpu_blas.matmul(x, gate_up).chunk(2, dim=-1)
+            return cpu_blas.matmul(F.silu(gate) * up, down)
+        gate, up = F.linear(x, self.gate_up[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down[expert])
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) for each token."""
@@ -47,8 +63,7 @@ class SparseMoE(nn.Module):
         # reference implementation, so results match it exactly.
         for expert in counts.nonzero().flatten().tolist():
             tokens, slot = (experts == expert).nonzero(as_tuple=True)
-            gate, up = F.linear(x[tokens], self.gate_up[expert]).chunk(2, dim=-1)
-            hidden = F.linear(F.silu(gate) * up, self.down[expert])
+            hidden = self._expert(expert, x[tokens])
             out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
         return out
 
