@@ -130,7 +130,9 @@ def main() -> int:
     from transformers import AutoModelForCausalLM
 
     model_dir = build_model(args.model)
-    ceilings = machine_ceilings(args.threads)
+    # Measured in this run: this VM's memory bandwidth drifts by tens of percent over
+    # an hour, so a cached figure would mis-state the fractions.
+    ceilings = machine_ceilings(args.threads, refresh=True)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     params = sum(p.numel() for p in hf.parameters())
     weight_bytes = params * 4

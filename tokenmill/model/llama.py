@@ -85,7 +85,11 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(gate) * up)
+        # Inference: in place, in the product's own buffer (no two [T, I] temporaries;
+        # on a big prefill step this is ~10% of the step's non-product time).
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
