@@ -131,7 +131,9 @@ class LLMEngine:
             proposer_runner = getattr(self.proposer, "runner", None)
             if proposer_runner is not None:
                 cpu_blas.attach(proposer_runner.model)
-        self.spec_controller = SpecController(config.spec) if self.proposer else None
+        # Verification rows cost as the products pad them (see SpecController).
+        padding = {"padded_rows": cpu_blas.padded_rows} if self.numpy_blas else {}
+        self.spec_controller = SpecController(config.spec, **padding) if self.proposer else None
         self.runner.keep_hidden = bool(self.proposer and self.proposer.needs_hidden_states)
         self.groups: dict[str, RequestGroup] = {}
         self._requests: dict[str, tuple[RequestGroup, int]] = {}

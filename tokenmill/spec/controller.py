@@ -8,8 +8,9 @@ proposer's time (its share of a fixed per-call cost p0, plus k p1). The controll
 picks the k in [0, K] with the best E / cost; k = 0 is plain decoding at 1 / S.
 
 The right-hand side is measured while serving: running least-squares fits of
-decode-step forward time against the tokens in the step (a + b tokens, with
-S = (a + b B) / B at B decoding requests) and of proposer time against the tokens
+decode-step forward time against the rows the step costs (a + b rows, with
+S = (a + b B) / B at B decoding requests; rows are tokens, or tokens padded as the
+CPU BLAS path pads them, so that 2-8 tokens cost alike there) and of proposer time against the tokens
 it drafted (p0 + p1 tokens). α is an exponentially decayed count of accepted over
 verified draft positions per request, starting from an optimistic prior so that a
 request gets to try; a request that stopped speculating is probed with one token
@@ -18,14 +19,16 @@ every probe_interval steps so that it can come back.
 A cost model can be wrong (caches, thread pools, Python overhead that does not
 scale like the fits assume), so a guard compares what matters directly: seconds
 per emitted token of whole decode steps with and without speculation (one plain
-step is forced every probe_interval steps to keep that figure fresh). While
-speculating measures slower, nobody speculates except probe steps, spaced
-probe_interval steps apart and twice as far each time speculation still loses
-(up to 16 intervals).
+step is forced every probe_interval steps to keep that figure fresh). When
+speculating measures slower, nobody speculates; after probe_interval steps the
+guard retries: it forgets the speculative figure and speculates until it has a
+fresh one (3 steps). Each retry that still loses doubles the wait (up to 16
+intervals); one that wins resets it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.config import SpecConfig
@@ -103,8 +106,16 @@ class StepRate:
         return self.seconds / self.tokens if self.samples >= 3 and self.tokens else None
 
 
+def _identity(rows: int) -> int:
+    return rows
+
+
 class SpecController:
-    def __init__(self, config: SpecConfig) -> None:
+    def __init__(self, config: SpecConfig,
+                 padded_rows: Callable[[int], int] = _identity) -> None:
+        # How many rows a step of n tokens costs as (the CPU BLAS path pads partial
+        # 8-row panels, so 2 to 8 tokens cost alike); the fits are in these rows.
+        self.padded_rows = padded_rows
         self.max_k = config.num_speculative_tokens
         self.adaptive = config.spec_adaptive
         self.probe_interval = config.spec_probe_interval
@@ -116,6 +127,7 @@ class SpecController:
         self.steps = 0
         self.last_probe = 0
         self.guard_interval = config.spec_probe_interval
+        self.backing_off = False
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -129,7 +141,7 @@ class SpecController:
     # ---- measurements ---------------------------------------------------------------
     def record_forward(self, num_tokens: int, seconds: float) -> None:
         """A decode-only step's forward time (prefill chunks would skew the fit)."""
-        self.fit.add(num_tokens, seconds)
+        self.fit.add(self.padded_rows(num_tokens), seconds)
 
     def record_propose(self, num_tokens: int, seconds: float) -> None:
         """One proposer call (including calls that found nothing to propose)."""
@@ -164,26 +176,37 @@ class SpecController:
             # has one, so a losing configuration is caught within a few steps).
             return [0] * len(requests)
         if self.speculation_losing:
-            # Off, but probe now and then (backing off while it keeps losing: a probe
-            # step of an expensive proposer costs several plain steps).
+            # Off; after a while, retry: forget the old verdict and measure speculation
+            # afresh for a few steps (the verdict may come from a stretch of text that
+            # did not speculate well, or from cold caches). The wait doubles while
+            # retries keep losing: a step of an expensive proposer costs several plain
+            # steps.
+            if not self.backing_off:
+                self.backing_off, self.last_probe = True, self.steps
             if self.steps - self.last_probe < self.guard_interval:
                 return [0] * len(requests)
             self.last_probe = self.steps
             self.guard_interval = min(2 * self.guard_interval, 16 * self.probe_interval)
-        else:
-            self.guard_interval = self.probe_interval
+            self.spec_rate = StepRate()
+        elif self.backing_off and self.spec_rate.per_token is not None:
+            self.backing_off, self.guard_interval = False, self.probe_interval  # won again
         fit = self.fit.coefficients()
         if fit is None:
             return [min(self.max_k, limit) for limit in limits]
         a, b = fit
         batch = max(len(requests), 1)
-        share = (a + b * batch) / batch  # one request's part of a plain step
+        plain_rows = self.padded_rows(batch)
+        share = (a + b * plain_rows) / batch  # one request's part of a plain step
         p0, p1 = self.propose_fit.coefficients() or (0.0, 0.0)
         fixed = p0 / batch  # the proposer call is shared by the batch
+        # k drafts of one request: the rows they add to the step (as if the others
+        # did not speculate) and their proposing.
+        extra = [b * (self.padded_rows(batch + k) - plain_rows) + p1 * k
+                 for k in range(self.max_k + 1)]
         plan = []
         for request, limit in zip(requests, limits, strict=True):
             state = self.state(request)
-            k = self._best_k(state.alpha, share, fixed, b + p1, min(self.max_k, limit))
+            k = self._best_k(state.alpha, share, fixed, extra, min(self.max_k, limit))
             if k == 0 and limit > 0:
                 state.idle_steps += 1
                 if state.idle_steps >= self.probe_interval:
@@ -195,12 +218,13 @@ class SpecController:
         return plan
 
     @staticmethod
-    def _best_k(alpha: float, share: float, fixed: float, per_draft: float, max_k: int) -> int:
+    def _best_k(alpha: float, share: float, fixed: float, extra: list[float],
+                max_k: int) -> int:
         if share <= 0.0:
             return max_k
         best_k, best_rate = 0, 1.0 / share
         for k in range(1, max_k + 1):
-            rate = expected_tokens(alpha, k) / (share + fixed + k * per_draft)
+            rate = expected_tokens(alpha, k) / (share + fixed + extra[k])
             if rate > best_rate * 1.02:  # a 2% margin against measurement noise
                 best_k, best_rate = k, rate
         return best_k
