@@ -56,10 +56,10 @@ def per_layer(shapes: dict, row_counts: tuple, rounds: int, threads: int) -> Non
             torch_s, blas_s = [], []
             for _ in range(rounds):
                 torch.set_num_threads(threads)
-                torch_s.append(min(best_time(lambda x=x: F.linear(x, weight)),
-                                   best_time(lambda x=x: x @ weight_t)))
+                torch_s.append(min(best_time(lambda x=x, w=weight: F.linear(x, w)),
+                                   best_time(lambda x=x, w=weight_t: x @ w)))
                 with cpu_blas.single_torch_thread():
-                    blas_s.append(best_time(lambda x=x: cpu_blas.matmul(x, blas_weight)))
+                    blas_s.append(best_time(lambda x=x, w=blas_weight: cpu_blas.matmul(x, w)))
             a, b = statistics.median(torch_s) * 1e3, statistics.median(blas_s) * 1e3
             print(f"| {name} ({out_features}x{in_features}) | {rows} | {a:.3f} | {b:.3f} "
                   f"| {a / b:.2f}x |")
