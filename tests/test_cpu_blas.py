@@ -11,13 +11,13 @@ from tokenmill.layers import cpu_blas
 from tokenmill.layers.linear import Linear
 
 
-def test_padded_rows_fill_partial_panels_below_64():
-    assert [cpu_blas.padded_rows(n) for n in (1, 2, 5, 7, 8, 9, 10, 12, 17, 28, 63, 64, 70)] \
-        == [1, 8, 8, 8, 8, 9, 16, 16, 17, 32, 64, 64, 70]
+def test_rows_go_one_by_one_up_to_3_and_partial_panels_below_64_are_padded():
+    assert [cpu_blas.padded_rows(n) for n in (1, 2, 3, 4, 7, 8, 9, 10, 12, 17, 28, 63, 64, 70)] \
+        == [1, 2, 3, 8, 8, 8, 9, 16, 16, 17, 32, 64, 64, 70]
 
 
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 5, 9, 12, 40, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 12, 40, 70])
 def test_linear_through_numpy_equals_torch(rows, transposed):
     torch.manual_seed(rows)
     layer = Linear(48, 80, bias=True, transposed=transposed)

@@ -17,7 +17,9 @@ Two details make it pay:
   costs more than a full one: 2-7 rows take longer than 8, 12 longer than 16, 28
   longer than 32 (measured on the model shapes). Products of fewer than 64 rows
   whose last panel would hold 2-7 rows are padded with zero rows to a multiple of
-  eight; the extra rows' results are dropped.
+  eight; the extra rows' results are dropped. Two or three rows go one at a time
+  instead (matrix-vector products, each as fast as the one-row case: 2-3 of them
+  cost less than a padded panel).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch import nn
 
 PAD_TO = 8
 PAD_BELOW = 64
+PER_ROW_MAX = 3
 
 
 def numpy_weight(weight: torch.Tensor, transposed: bool) -> np.ndarray:
@@ -40,8 +43,8 @@ def numpy_weight(weight: torch.Tensor, transposed: bool) -> np.ndarray:
 
 
 def padded_rows(n: int) -> int:
-    """Rows to hand OpenBLAS for an n-row product (see the module docstring)."""
-    if n >= PAD_BELOW or n % PAD_TO < 2:
+    """Rows OpenBLAS computes for an n-row product (see the module docstring)."""
+    if n <= PER_ROW_MAX or n >= PAD_BELOW or n % PAD_TO < 2:
         return n
     return n + PAD_TO - n % PAD_TO
 
@@ -51,7 +54,12 @@ def matmul(x: torch.Tensor, weight: np.ndarray) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1])
     n = rows.shape[0]
     padded = padded_rows(n)
-    if padded != n:
+    if 1 < n <= PER_ROW_MAX:
+        out = torch.empty(n, weight.shape[1], dtype=rows.dtype)
+        out_np, rows_np = out.numpy(), rows.numpy()
+        for row in range(n):
+            np.matmul(rows_np[row], weight, out=out_np[row])
+    elif padded != n:
         grown = torch.zeros(padded, rows.shape[1], dtype=rows.dtype)
         grown[:n] = rows
         out = torch.from_numpy(grown.numpy() @ weight)[:n]

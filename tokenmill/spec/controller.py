@@ -199,9 +199,10 @@ class SpecController:
         share = (a + b * plain_rows) / batch  # one request's part of a plain step
         p0, p1 = self.propose_fit.coefficients() or (0.0, 0.0)
         fixed = p0 / batch  # the proposer call is shared by the batch
-        # k drafts of one request: the rows they add to the step (as if the others
-        # did not speculate) and their proposing.
-        extra = [b * (self.padded_rows(batch + k) - plain_rows) + p1 * k
+        # k drafts of one request: the rows they add to the step and their proposing.
+        # Alone in the step, the rows are what the products compute (padding
+        # included); in a batch, padding is shared, so k rows.
+        extra = [b * (self.padded_rows(1 + k) - 1 if batch == 1 else k) + p1 * k
                  for k in range(self.max_k + 1)]
         plan = []
         for request, limit in zip(requests, limits, strict=True):
