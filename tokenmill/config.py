@@ -139,7 +139,9 @@ class SpecConfig:
     # eagle: a feature-level draft head trained for the target.
     speculative_method: Literal["ngram", "draft", "eagle"] | None = None
     # Most tokens proposed per request per step (k).
-    num_speculative_tokens: int = 4
+    # 7: on the CPU BLAS path 4-7 drafts are verified in one padded 8-row panel, so
+    # the most the panel holds is the default (measured better than 4 for n-gram).
+    num_speculative_tokens: int = 7
     # draft: the draft model directory (default: "<model>-draft" beside the target);
     # eagle: the head directory (default: "<model>/eagle").
     speculative_model: str | None = None

@@ -65,7 +65,8 @@ def test_low_acceptance_with_costly_drafts_stops_then_probes():
 
 
 def test_adaptive_off_always_uses_k():
-    controller = SpecController(SpecConfig(speculative_method="draft", spec_adaptive=False))
+    controller = SpecController(SpecConfig(speculative_method="draft", spec_adaptive=False,
+                                           num_speculative_tokens=4))
     feed(controller, a=0.003, b=0.0005, draft_cost=0.01)
     r = request("c")
     controller.record_verify(r, 4, 0)
