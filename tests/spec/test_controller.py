@@ -64,6 +64,26 @@ def test_low_acceptance_with_costly_drafts_stops_then_probes():
     assert controller.plan([r], [10]) == [4]
 
 
+def test_idle_requests_probe_on_the_same_step():
+    """A probe turns its whole step into a verification step, so requests that stopped
+    speculating probe together, once per interval, not each on its own schedule."""
+    controller = SpecController(SpecConfig(speculative_method="draft", num_speculative_tokens=4,
+                                           spec_probe_interval=8))
+    feed(controller, a=0.003, b=0.0005, draft_cost=0.001)
+    requests = [request(f"idle{i}") for i in range(4)]
+    plans = []
+    for step in range(32):
+        if step % 3 == 0 and len(requests) < 12:  # arrivals at different steps
+            requests.append(request(f"late{step}"))
+        for r in requests:
+            for _ in range(10):
+                controller.record_verify(r, 4, 0)
+        plans.append(controller.plan(requests, [10] * len(requests)))
+    probe_steps = [i for i, plan in enumerate(plans) if any(plan)]
+    assert all(set(plans[i]) == {1} for i in probe_steps)  # everyone probes together
+    assert len(probe_steps) == 4  # once per 8 steps
+
+
 def test_adaptive_off_always_uses_k():
     controller = SpecController(SpecConfig(speculative_method="draft", spec_adaptive=False,
                                            num_speculative_tokens=4))

@@ -51,7 +51,6 @@ def expected_tokens(alpha: float, k: int) -> float:
 class RequestSpecState:
     accepted: float = PRIOR_ACCEPTED
     tried: float = PRIOR_TRIED
-    idle_steps: int = 0
 
     @property
     def alpha(self) -> float:
@@ -204,17 +203,16 @@ class SpecController:
         # included); in a batch, padding is shared, so k rows.
         extra = [b * (self.padded_rows(1 + k) - 1 if batch == 1 else k) + p1 * k
                  for k in range(self.max_k + 1)]
+        # Requests that stopped speculating draft one token on the same step, once
+        # per interval: a probe makes its whole step a verification step (every row
+        # padded to the longest), so scattered probes would tax most steps.
+        probing = phase == self.probe_interval // 2
         plan = []
         for request, limit in zip(requests, limits, strict=True):
             state = self.state(request)
             k = self._best_k(state.alpha, share, fixed, extra, min(self.max_k, limit))
-            if k == 0 and limit > 0:
-                state.idle_steps += 1
-                if state.idle_steps >= self.probe_interval:
-                    state.idle_steps = 0
-                    k = 1
-            else:
-                state.idle_steps = 0
+            if k == 0 and limit > 0 and probing:
+                k = 1
             plan.append(k)
         return plan
 
