@@ -6,6 +6,9 @@ about 1.7x as fast when it is stored [in, out] and multiplied as `x @ W` than th
 `F.linear` on [out, in] (measured: benchmarks/bench_linear_layout.py), while tall
 matrices (down_proj) are faster in the checkpoint layout. The layout is fixed at
 construction; loading transposes checkpoint tensors as they are copied in.
+
+With float32 on the CPU the engine routes products through NumPy's OpenBLAS instead
+(`cpu_blas.attach`): the same storage, seen as a NumPy [in, out] view.
 """
 
 from __future__ import annotations
