@@ -15,31 +15,20 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from bench_linear_layout import SHAPES as LAYER_SHAPES  # same directory
+from bench_linear_layout import best_time
 from threadpoolctl import threadpool_limits
 
 from tokenmill.layers import cpu_blas
 
+# The layer shapes of bench_linear_layout, at more row counts.
 SHAPES = {
-    "qwen0.5b": ({"qkv_proj": (1152, 896), "o_proj": (896, 896), "gate_up_proj": (9728, 896),
-                  "down_proj": (896, 4864), "lm_head": (151936, 896)},
-                 (1, 2, 5, 8, 12, 16, 32, 64, 512)),
-    "pycoder": ({"qkv_proj": (384, 256), "o_proj": (256, 256), "gate_up_proj": (1536, 256),
-                 "down_proj": (256, 768), "lm_head": (8192, 256)}, (1, 2, 5, 8, 16, 32)),
+    "qwen0.5b": (LAYER_SHAPES["qwen0.5b"][0], (1, 2, 5, 8, 12, 16, 32, 64, 512)),
+    "pycoder": (LAYER_SHAPES["pycoder"][0], (1, 2, 5, 8, 16, 32)),
 }
-
-
-def best_time(fn, repeats: int = 10) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def per_layer(shapes: dict, row_counts: tuple, rounds: int, threads: int) -> None:

@@ -3,17 +3,17 @@
 PyTorch's CPU wheel multiplies float32 matrices with MKL, whose kernels on this
 project's AMD hosts stream a weight for a one-row product at about 25 GB/s, while
 OpenBLAS streams a decoder-shaped pass at about 52 GB/s on the same host and is
-1.1-2x faster at 5-512 rows (`benchmarks/bench_cpu_blas.py`, docs/BENCHMARKS.md). The weights stay torch
-parameters; NumPy sees the same memory (no copy), and the product's result is handed
-back to torch the same way.
+1.1-2x faster at 5-512 rows (`benchmarks/bench_cpu_blas.py`, docs/BENCHMARKS.md).
+The weights stay torch parameters; NumPy sees the same memory (no copy), and the
+product's result is handed back to torch the same way.
 
 Two details make it pay:
 - the two thread pools must not spin against each other: PyTorch's OpenMP workers
   busy-wait after every parallel region, and on a machine with as many threads as
   cores that starves OpenBLAS (measured: 2.5x slower than torch alone, 5x slower
-  than OpenBLAS with torch on one thread). So during
-  an engine step on this path torch runs its own (elementwise, attention) work on one
-  thread (`single_torch_thread`) and OpenBLAS has the configured thread count.
+  than OpenBLAS with torch on one thread). So during an engine step on this path
+  torch runs its own (element-wise, attention) work on one thread
+  (`single_torch_thread`) and OpenBLAS has the configured thread count.
 - OpenBLAS handles the rows of a product in panels of eight, and a partial panel
   costs more than a full one: 2-7 rows take longer than 8, 12 longer than 16, 28
   longer than 32 (measured on the model shapes). Products of fewer than 64 rows

@@ -8,13 +8,14 @@ proposer's time (its share of a fixed per-call cost p0, plus k p1). The controll
 picks the k in [0, K] with the best E / cost; k = 0 is plain decoding at 1 / S.
 
 The right-hand side is measured while serving: running least-squares fits of
-decode-step forward time against the rows the step costs (a + b rows, with
-S = (a + b B) / B at B decoding requests; rows are tokens, or tokens padded as the
-CPU BLAS path pads them, so that 2-8 tokens cost alike there) and of proposer time against the tokens
-it drafted (p0 + p1 tokens). α is an exponentially decayed count of accepted over
-verified draft positions per request, starting from an optimistic prior so that a
-request gets to try; a request that stopped speculating is probed with one token
-every probe_interval steps so that it can come back.
+decode-step forward time against the rows the step computes (a + b rows, with
+S = (a + b B) / B at B decoding requests; rows are tokens, or tokens as the CPU
+BLAS path pads them, where 4-8 tokens cost one 8-row panel) and of proposer time
+against the tokens it drafted (p0 + p1 tokens). α is an exponentially decayed count
+of accepted over verified draft positions per request, starting from an optimistic
+prior so that a request gets to try; requests that stopped speculating are probed
+with one token each, all on the same step, every probe_interval steps so that they
+can come back.
 
 A cost model can be wrong (caches, thread pools, Python overhead that does not
 scale like the fits assume), so a guard compares what matters directly: seconds
@@ -112,8 +113,8 @@ def _identity(rows: int) -> int:
 class SpecController:
     def __init__(self, config: SpecConfig,
                  padded_rows: Callable[[int], int] = _identity) -> None:
-        # How many rows a step of n tokens costs as (the CPU BLAS path pads partial
-        # 8-row panels, so 2 to 8 tokens cost alike); the fits are in these rows.
+        # How many rows a step of n tokens computes (the CPU BLAS path pads partial
+        # 8-row panels, so 4 to 8 tokens cost alike); the fits are in these rows.
         self.padded_rows = padded_rows
         self.max_k = config.num_speculative_tokens
         self.adaptive = config.spec_adaptive
