@@ -8,12 +8,16 @@ from transformers import AutoModelForCausalLM
 
 from tests.models import FAMILIES
 from tokenmill import LLM, SamplingParams
+from tokenmill.layers.cpu_blas import onednn_available
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 61)), [7, 7, 7], [300, 12]]
 NEW_TOKENS = 32
 
 
-@pytest.mark.parametrize("cpu_blas", ["numpy", "torch"])
+@pytest.mark.parametrize("cpu_blas", [
+    pytest.param("onednn", marks=pytest.mark.skipif(not onednn_available(),
+                                                    reason="torch built without oneDNN")),
+    "numpy", "torch"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_and_logprobs_match_transformers(family, cpu_blas, model_factory):
     model_dir = model_factory(family)

@@ -103,6 +103,9 @@ class SchedulerConfig:
         return min(self.chunk_size or self.max_num_batched_tokens, self.max_num_batched_tokens)
 
 
+CPU_BLAS = ("auto", "onednn", "numpy", "torch")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Which checkpoint, in which dtype, on which device."""
@@ -115,10 +118,11 @@ class ModelConfig:
     seed: int = 0
     # Threads for CPU inference (None: torch's default).
     num_threads: int | None = None
-    # Who multiplies matrices on the CPU: numpy (NumPy's OpenBLAS; torch's own work
-    # then runs on one thread during a step), torch (its MKL build), auto: numpy for
-    # float32 on the CPU, torch otherwise.
-    cpu_blas: Literal["auto", "numpy", "torch"] = "auto"
+    # Who multiplies matrices on the CPU: onednn (oneDNN on weights packed at load),
+    # numpy (NumPy's OpenBLAS; torch's own work then runs on one thread during a step),
+    # torch (its MKL build); auto: onednn for float32 on the CPU (numpy where torch
+    # lacks oneDNN), torch otherwise.
+    cpu_blas: Literal["auto", "onednn", "numpy", "torch"] = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
@@ -127,8 +131,7 @@ class ModelConfig:
             _require(self.max_model_len >= 2, "max_model_len", ">= 2", self.max_model_len)
         if self.num_threads is not None:
             _require(self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
-        _require(self.cpu_blas in ("auto", "numpy", "torch"), "cpu_blas",
-                 "one of ('auto', 'numpy', 'torch')", self.cpu_blas)
+        _require(self.cpu_blas in CPU_BLAS, "cpu_blas", f"one of {CPU_BLAS}", self.cpu_blas)
 
 
 @dataclass(frozen=True)

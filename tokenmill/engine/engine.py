@@ -124,13 +124,16 @@ class LLMEngine:
                                   loaded.device, loaded.dtype, seed=mcfg.seed,
                                   kv_cache_dtype=config.cache.kv_cache_dtype)
         self.proposer = build_proposer(config, arch, loaded, plan.num_blocks, progress)
-        self.numpy_blas = cpu_blas.wanted(mcfg.cpu_blas, loaded.device, loaded.dtype)
-        if self.numpy_blas:
-            cpu_blas.set_blas_threads(mcfg.num_threads or torch.get_num_threads())
-            cpu_blas.attach(loaded.model)
+        # 'onednn', 'numpy' or None (torch's own products).
+        self.cpu_products = cpu_blas.resolve(mcfg.cpu_blas, loaded.device, loaded.dtype)
+        self.numpy_blas = self.cpu_products == "numpy"
+        if self.cpu_products:
+            if self.numpy_blas:
+                cpu_blas.set_blas_threads(mcfg.num_threads or torch.get_num_threads())
+            cpu_blas.attach(loaded.model, self.cpu_products)
             proposer_runner = getattr(self.proposer, "runner", None)
             if proposer_runner is not None:
-                cpu_blas.attach(proposer_runner.model)
+                cpu_blas.attach(proposer_runner.model, self.cpu_products)
         # Verification rows cost as the products pad them (see SpecController).
         padding = {"padded_rows": cpu_blas.padded_rows} if self.numpy_blas else {}
         self.spec_controller = SpecController(config.spec, **padding) if self.proposer else None

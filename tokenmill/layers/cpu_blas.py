@@ -1,6 +1,17 @@
-"""Matrix products on the CPU through NumPy's BLAS (OpenBLAS in NumPy's wheels).
+"""Matrix products on the CPU: oneDNN on pre-packed weights, or NumPy's OpenBLAS.
 
-PyTorch's CPU wheel multiplies float32 matrices with MKL, whose kernels on this
+`auto` (float32 on the CPU) picks oneDNN where torch is built with it. Its inner-product
+kernels run on weights reordered once, at attach time, into the blocked layout they
+read (`torch.ops.mkldnn._reorder_linear_weight`): a call neither packs nor copies the
+weight, so a few-row product streams it at the memory's pace and a many-row one runs
+with the widest vector units the CPU has (AVX-512 where present). Measured on a
+decoder-shaped pass of the 0.5B model's weights with 2 threads, against OpenBLAS: equal
+at one row (both bandwidth-bound), 1.8-2.2x faster at 2-32 rows, 1.7-2x at 256-1024
+(`benchmarks/bench_cpu_blas.py`, docs/BENCHMARKS.md). It runs on torch's own thread
+pool, so nothing competes with torch's other work. The packed copy sits beside the
+torch parameter (which autograd, the tied embedding and the loaders still use).
+
+NumPy's OpenBLAS (`numpy`) is the fallback where oneDNN is missing. PyTorch's CPU wheel multiplies float32 matrices with MKL, whose kernels on this
 project's AMD hosts stream a weight for a one-row product at about 25 GB/s, while
 OpenBLAS streams a decoder-shaped pass at about 52 GB/s on the same host and is
 1.1-2x faster at 5-512 rows (`benchmarks/bench_cpu_blas.py`, docs/BENCHMARKS.md).
@@ -69,22 +80,61 @@ def matmul(x: torch.Tensor, weight: np.ndarray) -> torch.Tensor:
     return out.reshape(*x.shape[:-1], weight.shape[1])
 
 
-def wanted(setting: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the `cpu_blas` setting (auto / numpy / torch) routes products to NumPy."""
+# Rows the packed layout is chosen for; measured alike for 1-1024-row products.
+PACK_ROWS_HINT = 1024
+
+
+def onednn_available() -> bool:
+    """Whether this torch build has oneDNN's pre-packed inner product."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight  # noqa: B018 (raises when absent)
+        torch.ops.mkldnn._linear_pointwise  # noqa: B018
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def onednn_weight(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """oneDNN's packed copy of a weight stored [in, out] (transposed) or [out, in]."""
+    plain = weight.detach()
+    plain = (plain.t() if transposed else plain).contiguous()
+    return torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ W.T + bias, W packed by `onednn_weight`; float32 CPU tensors only."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def resolve(setting: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Who multiplies for the `cpu_blas` setting (auto / onednn / numpy / torch):
+    'onednn', 'numpy', or None for torch's own products."""
     eligible = device.type == "cpu" and dtype == torch.float32
-    if setting == "numpy" and not eligible:
-        raise ValueError(f"cpu_blas: 'numpy' needs a float32 model on the CPU, not "
+    if setting in ("onednn", "numpy") and not eligible:
+        raise ValueError(f"cpu_blas: {setting!r} needs a float32 model on the CPU, not "
                          f"{dtype} on {device.type}")
-    return eligible and setting in ("auto", "numpy")
+    if setting == "onednn" and not onednn_available():
+        raise ValueError("cpu_blas: 'onednn' needs a torch build with oneDNN (mkldnn)")
+    if not eligible or setting == "torch":
+        return None
+    if setting == "auto":
+        return "onednn" if onednn_available() else "numpy"
+    return setting
 
 
-def attach(model: nn.Module) -> None:
-    """Route the products of every module in `model` that can take NumPy's BLAS (those
-    with a `use_numpy_blas` method: Linear, the MoE experts) through it; inference only."""
+def attach(model: nn.Module, kind: str = "numpy") -> None:
+    """Route the products of every module in `model` that can take them (those with a
+    `use_cpu_products` method: Linear, the MoE experts) through `kind` ('onednn' or
+    'numpy'); inference only."""
+    if kind not in ("onednn", "numpy"):
+        raise ValueError(f"cpu_blas: no CPU product path {kind!r}")
     for module in model.modules():
-        use = getattr(module, "use_numpy_blas", None)
+        use = getattr(module, "use_cpu_products", None)
         if use is not None:
-            use()
+            use(kind)
 
 
 def set_blas_threads(threads: int) -> None:

@@ -7,8 +7,8 @@ about 1.7x as fast when it is stored [in, out] and multiplied as `x @ W` than th
 matrices (down_proj) are faster in the checkpoint layout. The layout is fixed at
 construction; loading transposes checkpoint tensors as they are copied in.
 
-With float32 on the CPU the engine routes products through NumPy's OpenBLAS instead
-(`cpu_blas.attach`): the same storage, seen as a NumPy [in, out] view.
+With float32 on the CPU the engine routes products through oneDNN on a packed copy of
+the weight, or NumPy's OpenBLAS on a zero-copy [in, out] view (`cpu_blas.attach`).
 """
 
 from __future__ import annotations
@@ -31,14 +31,29 @@ class Linear(nn.Module):
         shape = (in_features, out_features) if transposed else (out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # A NumPy view [in, out] of the weight when products go through NumPy's BLAS
-        # (cpu_blas.attach; used only without autograd).
+        # Set by cpu_blas.attach, used only without autograd: oneDNN's packed copy of
+        # the weight, or a NumPy view [in, out] of it for NumPy's BLAS.
+        self.packed_weight: torch.Tensor | None = None
         self.blas_weight: np.ndarray | None = None
+        # Whether the plain weight is read for more than products (a tied LM head is
+        # also the embedding table); otherwise packing frees it.
+        self.keep_weight = False
 
-    def use_numpy_blas(self) -> None:
-        self.blas_weight = cpu_blas.numpy_weight(self.weight, self.transposed)
+    def use_cpu_products(self, kind: str) -> None:
+        if self.packed_weight is not None or self.blas_weight is not None:
+            return  # shared with a model attached before
+        if kind == "onednn":
+            self.packed_weight = cpu_blas.onednn_weight(self.weight, self.transposed)
+            if not self.keep_weight:
+                # Inference only from here: one copy of the weight, the packed one.
+                self.weight.data = self.weight.data.new_empty(0)
+        else:
+            self.blas_weight = cpu_blas.numpy_weight(self.weight, self.transposed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weight is not None and (not torch.is_grad_enabled()
+                                               or self.weight.numel() == 0):
+            return cpu_blas.onednn_linear(x, self.packed_weight, self.bias)
         if self.blas_weight is not None and not torch.is_grad_enabled():
             out = cpu_blas.matmul(x, self.blas_weight)
             return out + self.bias if self.bias is not None else out

@@ -138,6 +138,8 @@ class LlamaForCausalLM(nn.Module):
                                 lambda: self.build_mlp(arch, transpose_wide))
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False,
                               wide(arch.hidden_size, arch.vocab_size, transpose_wide))
+        # Tied: the LM head's weight is also the embedding table (see embed).
+        self.lm_head.keep_weight = arch.tie_word_embeddings
 
     @staticmethod
     def build_mlp(arch: ArchConfig, transpose_wide: bool) -> nn.Module:

@@ -32,15 +32,30 @@ class SparseMoE(nn.Module):
         # Tokens routed to each expert since the last reset (expert-load statistics).
         self.register_buffer("expert_load", torch.zeros(arch.num_experts, dtype=torch.int64),
                              persistent=False)
-        # Per expert NumPy views [in, out] of gate_up and down (cpu_blas.attach).
+        # Per expert (gate_up, down) for the CPU products (cpu_blas.attach): oneDNN's
+        # packed copies, or NumPy views [in, out].
+        self.packed_weights: list[tuple] | None = None
         self.blas_weights: list[tuple] | None = None
 
-    def use_numpy_blas(self) -> None:
-        self.blas_weights = [(cpu_blas.numpy_weight(self.gate_up[e], transposed=False),
-                              cpu_blas.numpy_weight(self.down[e], transposed=False))
-                             for e in range(self.num_experts)]
+    def use_cpu_products(self, kind: str) -> None:
+        if self.packed_weights is not None or self.blas_weights is not None:
+            return
+        prepare = cpu_blas.onednn_weight if kind == "onednn" else cpu_blas.numpy_weight
+        weights = [(prepare(self.gate_up[e], transposed=False),
+                    prepare(self.down[e], transposed=False)) for e in range(self.num_experts)]
+        if kind == "onednn":
+            self.packed_weights = weights
+            # Inference only from here: one copy of the experts, the packed one.
+            self.gate_up.data = self.gate_up.data.new_empty(0)
+            self.down.data = self.down.data.new_empty(0)
+        else:
+            self.blas_weights = weights
 
     def _expert(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_weights is not None:
+            gate_up, down = self.packed_weights[expert]
+            gate, up = cpu_blas.onednn_linear(x, gate_up).chunk(2, dim=-1)
+            return cpu_blas.onednn_linear(F.silu(gate) * up, down)
         if self.blas_weights is not None and not torch.is_grad_enabled():
             gate_up, down = self.blas_weights[expert]
             gate, up = cpu_blas.matmul(x, gate_up).chunk(2, dim=-1)
