@@ -7,11 +7,13 @@ every configuration does the same work). Each batch size b runs the whole set wi
 at most b requests in flight (b = 1 is single-stream).
 
 Configurations, one engine each, all measured in the same run and interleaved
-(repetition-major): no speculation (the baseline of every ratio), and each method
-with the adaptive switch on (the default) and off (always k tokens).
+(repetition-major): no speculation (the baseline of every ratio), a second engine
+without speculation (the control: its ratio is this run's noise floor between two
+identical configurations), and each method with the adaptive switch on (the
+default) and off (always k tokens).
 
     python benchmarks/bench_spec.py [--model models/pycoder] [--threads 2]
-        [--batches 1 8 32] [--prompts 32] [--repeats 2]
+        [--batches 1 8 32] [--prompts 32] [--repeats 3]
 
 Prints a Markdown table (output tokens/s, ratio to no speculation, acceptance rate,
 engine steps) per batch size, writes JSON and a plot of the speedup per
@@ -60,7 +62,7 @@ def build_prompts(engine: LLMEngine, count: int, prompt_tokens: int, max_tokens:
 
 
 def configurations(model: str, methods: list[str], k: int) -> list[tuple[str, dict]]:
-    configs = [("none", {})]
+    configs = [("none", {}), ("none (control)", {})]
     for method in methods:
         options = {"speculative_method": method, "num_speculative_tokens": k}
         if method != "ngram":
@@ -83,7 +85,7 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "spec")
@@ -127,7 +129,7 @@ def main() -> int:
                             "steps": statistics.median(r.num_steps for r in reps)})
     by_position = {name: (engines[name].stats.spec_drafted_by_position,
                           engines[name].stats.spec_accepted_by_position)
-                   for name, _ in configs if name != "none"}
+                   for name, _ in configs if not name.startswith("none")}
     print_table(results, args)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_spec.json").write_text(json.dumps(

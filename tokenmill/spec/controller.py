@@ -24,11 +24,16 @@ step is forced every probe_interval steps to keep that figure fresh). When
 speculating measures slower, nobody speculates; after probe_interval steps the
 guard retries: it forgets the speculative figure and speculates until it has a
 fresh one (3 steps). Each retry that still loses doubles the wait (up to 16
-intervals); one that wins resets it.
+intervals); one that wins resets it. The wait is also long enough that a retry
+costs at most ~2% of the steps it is spread over, by the loss last measured: a
+proposer whose steps cost 3x a plain one per token (an EAGLE head catching up on
+the positions it skipped while off) is retried far less often than one that lost
+by a few percent.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +44,9 @@ from tokenmill.engine.request import Request
 PRIOR_ACCEPTED, PRIOR_TRIED, DECAY = 1.2, 2.0, 0.9
 # Until the fit sees steps of different sizes: one extra token costs 5% of a step.
 PRIOR_TOKEN_COST = 0.05
+# A guard retry measures this many speculative steps, and may cost this share of
+# the steps between retries (in plain-step time, by the last measured loss).
+RETRY_STEPS, RETRY_BUDGET = 3, 0.02
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -157,6 +165,14 @@ class SpecController:
         plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
         return plain is not None and spec is not None and spec > plain
 
+    def _retry_wait(self) -> int:
+        """Steps between guard retries for which a retry (RETRY_STEPS speculative steps
+        at the last measured loss) costs RETRY_BUDGET of their time."""
+        plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
+        if plain is None or spec is None or plain <= 0.0:
+            return self.probe_interval
+        return math.ceil(RETRY_STEPS * max(spec / plain - 1.0, 0.0) / RETRY_BUDGET)
+
     def record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         state = self.state(request)
         tried = num_accepted + (1 if num_accepted < num_drafted else 0)
@@ -181,12 +197,16 @@ class SpecController:
             # did not speculate well, or from cold caches). The wait doubles while
             # retries keep losing: a step of an expensive proposer costs several plain
             # steps.
+            longest = 16 * self.probe_interval
             if not self.backing_off:
                 self.backing_off, self.last_probe = True, self.steps
+                self.guard_interval = min(max(self.guard_interval, self._retry_wait()),
+                                          longest)
             if self.steps - self.last_probe < self.guard_interval:
                 return [0] * len(requests)
             self.last_probe = self.steps
-            self.guard_interval = min(2 * self.guard_interval, 16 * self.probe_interval)
+            self.guard_interval = min(max(2 * self.guard_interval, self._retry_wait()),
+                                      longest)
             self.spec_rate = StepRate()
         elif self.backing_off and self.spec_rate.per_token is not None:
             self.backing_off, self.guard_interval = False, self.probe_interval  # won again
