@@ -21,9 +21,10 @@ A cost model can be wrong (caches, thread pools, Python overhead that does not
 scale like the fits assume), so a guard compares what matters directly: seconds
 per emitted token of whole decode steps with and without speculation (one plain
 step is forced every probe_interval steps to keep that figure fresh). When
-speculating measures slower, nobody speculates; after probe_interval steps the
-guard retries: it forgets the speculative figure and speculates until it has a
-fresh one (3 steps). Each retry that still loses doubles the wait (up to 16
+speculating does not measure at least 3% faster, nobody speculates (a near-tie is
+within the timing noise, and speculating costs more than its steps show); after
+probe_interval steps the guard retries: it forgets the speculative figure and
+speculates until it has a fresh one (3 steps). Each retry that still loses doubles the wait (up to 16
 intervals); one that wins resets it. The wait is also long enough that a retry
 costs at most ~2% of the steps it is spread over, by the loss last measured: a
 proposer whose steps cost 3x a plain one per token (an EAGLE head catching up on
@@ -47,6 +48,10 @@ PRIOR_TOKEN_COST = 0.05
 # A guard retry measures this many speculative steps, and may cost this share of
 # the steps between retries (in plain-step time, by the last measured loss).
 RETRY_STEPS, RETRY_BUDGET = 3, 0.02
+# Speculation stays on only while its steps measure at least this much faster per
+# emitted token than plain ones: a near-tie is within the step-timing noise, and
+# speculating has costs the step timings do not show (planning, proposer state).
+GUARD_MARGIN = 0.03
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -163,7 +168,7 @@ class SpecController:
     @property
     def speculation_losing(self) -> bool:
         plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
-        return plain is not None and spec is not None and spec > plain
+        return plain is not None and spec is not None and spec > plain * (1.0 - GUARD_MARGIN)
 
     def _retry_wait(self) -> int:
         """Steps between guard retries for which a retry (RETRY_STEPS speculative steps
@@ -171,7 +176,8 @@ class SpecController:
         plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
         if plain is None or spec is None or plain <= 0.0:
             return self.probe_interval
-        return math.ceil(RETRY_STEPS * max(spec / plain - 1.0, 0.0) / RETRY_BUDGET)
+        loss = spec / plain - (1.0 - GUARD_MARGIN)
+        return math.ceil(RETRY_STEPS * max(loss, 0.0) / RETRY_BUDGET)
 
     def record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         state = self.state(request)

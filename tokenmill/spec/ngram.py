@@ -10,29 +10,43 @@ guesses right at the cost of a search; when nothing matches it proposes nothing.
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 from tokenmill.engine.request import Request
 from tokenmill.spec.base import Proposal, Proposer
 
 
 def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the longest suffix."""
+    """Up to k tokens that followed the latest earlier match of the longest suffix.
+
+    One pass finds the earlier positions holding the last token; each such position
+    then extends its match backwards one token at a time (at most max_n - 1 more
+    comparisons over the candidates, not over the sequence)."""
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n:]
-        # Windows that start before the suffix itself and have a token after them.
-        windows = sliding_window_view(tokens[:length - 1], n)
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            proposal = tokens[start:start + k].tolist()
-            # A match close to the end runs into the proposal itself (periodic text):
-            # keep copying, from the proposed tokens.
-            while len(proposal) < k:
-                proposal.append(proposal[start + len(proposal) - length])
-            return proposal
-    return []
+    if length < 2:
+        return []
+    # Candidate match ends: earlier positions (before the last token) equal to it.
+    ends = np.flatnonzero(tokens[:length - 1] == tokens[length - 1])
+    if not len(ends):
+        return []
+    matched = np.ones(len(ends), dtype=np.int64)  # suffix tokens matched at each end
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, max_n):
+        earlier = ends - back
+        alive &= earlier >= 0
+        alive[alive] &= tokens[earlier[alive]] == tokens[length - 1 - back]
+        if not alive.any():
+            break
+        matched += alive
+    n = int(matched.max())
+    if n < min_n:
+        return []
+    start = int(ends[np.flatnonzero(matched == n)[-1]]) + 1
+    proposal = tokens[start:start + k].tolist()
+    # A match close to the end runs into the proposal itself (periodic text): keep
+    # copying, from the proposed tokens.
+    while len(proposal) < k:
+        proposal.append(proposal[start + len(proposal) - length])
+    return proposal
 
 
 class NgramProposer(Proposer):
