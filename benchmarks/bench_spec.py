@@ -4,7 +4,11 @@ Workload: Python-completion prompts cut from the held-out stdlib files (never se
 in training): --prompts windows of --prompt-tokens tokens at seeded random offsets,
 files taken round-robin, --max-tokens greedy new tokens each (EOS ignored, so
 every configuration does the same work). Each batch size b runs the whole set with
-at most b requests in flight (b = 1 is single-stream).
+at most b requests in flight (b = 1 is single-stream). With --vary-lengths each
+request asks for its own seeded length instead: with equal lengths, the requests of
+a batch start, prefill and finish together when nothing speculates, and apart when
+something does, which costs the speculating engine batch occupancy that serving
+traffic (lengths differ) would not give the baseline either.
 
 Configurations, one engine each, all measured in the same run and interleaved
 (repetition-major): no speculation (the baseline of every ratio), a second engine
@@ -42,10 +46,11 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def build_prompts(engine: LLMEngine, count: int, prompt_tokens: int, max_tokens: int,
-                  seed: int) -> list[WorkloadRequest]:
+                  seed: int, vary_lengths: bool = False) -> list[WorkloadRequest]:
     """Prompts from the held-out files, each starting at a random line; files are
     taken round-robin (several windows per file when there are fewer files than
-    prompts)."""
+    prompts). With vary_lengths, request i asks for a seeded U[max/2, 3 max/2] tokens
+    instead of max_tokens (same total on average)."""
     rng = random.Random(seed)
     files = [engine.encode(t) for t in held_out_texts()]
     files = [ids for ids in files if len(ids) >= prompt_tokens + 8]
@@ -56,8 +61,10 @@ def build_prompts(engine: LLMEngine, count: int, prompt_tokens: int, max_tokens:
     for index in range(count):
         ids = files[index % len(files)]
         start = rng.randrange(len(ids) - prompt_tokens)
+        wanted = (rng.randint(max_tokens // 2, max_tokens * 3 // 2) if vary_lengths
+                  else max_tokens)
         prompts.append(WorkloadRequest(ids[start:start + prompt_tokens], prompt_tokens,
-                                       max_tokens))
+                                       wanted))
     return prompts
 
 
@@ -85,6 +92,9 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--prompt-tokens", type=int, default=256)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--vary-lengths", action="store_true",
+                        help="outputs of U[max/2, 3 max/2] tokens per request (seeded), so "
+                             "that batched requests do not start and finish in lockstep")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
@@ -100,7 +110,7 @@ def main() -> int:
                                               max_num_seqs=max(args.batches), **options)
         warm_up(engines[name])
     workload = build_prompts(engines["none"], args.prompts, args.prompt_tokens,
-                             args.max_tokens, args.seed)
+                             args.max_tokens, args.seed, args.vary_lengths)
 
     runs: dict[tuple[str, int], list] = {}
     for rep in range(args.repeats):
@@ -141,8 +151,10 @@ def main() -> int:
 
 
 def print_table(results: list[dict], args: argparse.Namespace) -> None:
+    lengths = (f"U[{args.max_tokens // 2}, {args.max_tokens * 3 // 2}]" if args.vary_lengths
+               else str(args.max_tokens))
     print(f"\n{args.prompts} held-out prompts of {args.prompt_tokens} tokens, "
-          f"{args.max_tokens} greedy tokens each, k = {args.k}, {args.threads} threads, "
+          f"{lengths} greedy tokens each, k = {args.k}, {args.threads} threads, "
           f"median of {args.repeats}\n")
     print("| batch | config | out tok/s | vs none | acceptance | engine steps |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -20,9 +20,15 @@ def test_rows_go_one_by_one_up_to_3_and_partial_panels_below_64_are_padded():
         == [1, 2, 3, 8, 8, 8, 9, 16, 16, 17, 32, 64, 64, 70]
 
 
+def test_onednn_rows_take_a_bounded_set_of_sizes():
+    assert [cpu_blas.onednn_rows(n) for n in (1, 7, 8, 9, 16, 17, 64, 65, 512, 513, 2048)] \
+        == [1, 7, 8, 16, 16, 24, 64, 96, 512, 640, 2048]
+    assert len({cpu_blas.onednn_rows(n) for n in range(1, 2049)}) <= 45
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("transposed", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 12, 40, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 12, 40, 70, 600])
 def test_linear_through_cpu_products_equals_torch(rows, transposed, kind):
     torch.manual_seed(rows)
     layer = Linear(48, 80, bias=True, transposed=transposed)

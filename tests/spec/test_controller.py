@@ -186,3 +186,15 @@ def test_a_heavy_loss_is_retried_rarely():
 
     assert first_retry(0.030) >= 16 * 8  # 5x: the longest wait
     assert first_retry(0.0064) <= 2 * 8  # 7%: about one interval
+
+
+def test_new_requests_start_from_the_acceptance_measured_lately():
+    controller = SpecController(SpecConfig(speculative_method="draft", num_speculative_tokens=4))
+    feed(controller, a=0.003, b=0.0001, draft_cost=0.0005)
+    assert controller.state(request("first")).alpha == pytest.approx(0.6)  # the prior
+    old = request("old")
+    for _ in range(30):  # the proposer keeps missing
+        controller.record_verify(old, 4, 0)
+    new = request("new")
+    assert controller.state(new).alpha < 0.1
+    assert controller.plan([new], [10]) == [0]  # not tried afresh on every new request

@@ -135,7 +135,9 @@ class LLMEngine:
             if proposer_runner is not None:
                 cpu_blas.attach(proposer_runner.model, self.cpu_products)
         # Verification rows cost as the products pad them (see SpecController).
-        padding = {"padded_rows": cpu_blas.padded_rows} if self.numpy_blas else {}
+        padded_rows = {"numpy": cpu_blas.padded_rows, "onednn": cpu_blas.onednn_rows}
+        padding = ({"padded_rows": padded_rows[self.cpu_products]}
+                   if self.cpu_products else {})
         self.spec_controller = SpecController(config.spec, **padding) if self.proposer else None
         self.runner.keep_hidden = bool(self.proposer and self.proposer.needs_hidden_states)
         self.groups: dict[str, RequestGroup] = {}

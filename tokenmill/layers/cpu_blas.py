@@ -103,10 +103,33 @@ def onednn_weight(weight: torch.Tensor, transposed: bool) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(plain, PACK_ROWS_HINT)
 
 
+def onednn_rows(n: int) -> int:
+    """Rows oneDNN computes for an n-row product: n rounded up to a bucket.
+
+    oneDNN builds (JIT-compiles) a kernel for every new input shape: ~0.4 ms, ten
+    times a small product, and its cache holds 1024. A server sees every row count
+    from 1 to the token budget, so rows are padded with zeros to a bounded set of
+    sizes (about 40 per weight shape up to 2048): exact up to 8, then multiples of 8
+    up to 64 (few-row products stream the weight: extra rows cost little), of 32 up
+    to 512 and of 128 beyond (at most ~10% extra work there)."""
+    for limit, step in ((8, 1), (64, 8), (512, 32)):
+        if n <= limit:
+            return -(-n // step) * step
+    return -(-n // 128) * 128
+
+
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ W.T + bias, W packed by `onednn_weight`; float32 CPU tensors only."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])
+    n = rows.shape[0]
+    padded = onednn_rows(n)
+    if padded != n:
+        grown = rows.new_zeros(padded, rows.shape[1])
+        grown[:n] = rows
+        rows = grown
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out[:n].reshape(*x.shape[:-1], out.shape[-1])
 
 
 def resolve(setting: str, device: torch.device, dtype: torch.dtype) -> str | None:

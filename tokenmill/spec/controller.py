@@ -13,7 +13,8 @@ S = (a + b B) / B at B decoding requests; rows are tokens, or tokens as the CPU
 BLAS path pads them, where 4-8 tokens cost one 8-row panel) and of proposer time
 against the tokens it drafted (p0 + p1 tokens). α is an exponentially decayed count
 of accepted over verified draft positions per request, starting from an optimistic
-prior so that a request gets to try; requests that stopped speculating are probed
+prior so that the first requests get to try (later ones start from the acceptance
+measured over all requests lately); requests that stopped speculating are probed
 with one token each, all on the same step, every probe_interval steps so that they
 can come back.
 
@@ -41,8 +42,10 @@ from dataclasses import dataclass
 from tokenmill.config import SpecConfig
 from tokenmill.engine.request import Request
 
-# Prior acceptance: 1.2 accepted of 2 tried (α = 0.6), and how fast evidence fades.
+# Prior acceptance: 1.2 accepted of 2 tried (α = 0.6), and how fast evidence fades
+# (per request, and over all requests).
 PRIOR_ACCEPTED, PRIOR_TRIED, DECAY = 1.2, 2.0, 0.9
+OVERALL_DECAY = 0.98
 # Until the fit sees steps of different sizes: one extra token costs 5% of a step.
 PRIOR_TOKEN_COST = 0.05
 # A guard retry measures this many speculative steps, and may cost this share of
@@ -133,6 +136,8 @@ class SpecController:
         self.adaptive = config.spec_adaptive
         self.probe_interval = config.spec_probe_interval
         self.states: dict[str, RequestSpecState] = {}
+        # Acceptance over all requests (slowly decayed): a new request's starting point.
+        self.overall = RequestSpecState(accepted=0.0, tried=0.0)
         self.fit = StepCostFit()
         self.propose_fit = StepCostFit()
         self.plain_rate = StepRate()
@@ -149,6 +154,11 @@ class SpecController:
         state = self.states.get(request.request_id)
         if state is None:
             state = self.states[request.request_id] = RequestSpecState()
+            if self.overall.tried >= PRIOR_TRIED:
+                # Start from what this proposer has been achieving lately, not from the
+                # optimistic prior: a proposer that rarely agrees with the target
+                # would otherwise be tried afresh (and paid for) on every new request.
+                state.accepted = PRIOR_TRIED * self.overall.alpha
         return state
 
     # ---- measurements ---------------------------------------------------------------
@@ -184,6 +194,9 @@ class SpecController:
         tried = num_accepted + (1 if num_accepted < num_drafted else 0)
         state.accepted = DECAY * state.accepted + num_accepted
         state.tried = DECAY * state.tried + tried
+        overall = self.overall
+        overall.accepted = OVERALL_DECAY * overall.accepted + num_accepted
+        overall.tried = OVERALL_DECAY * overall.tried + tried
 
     # ---- the decision -----------------------------------------------------------------
     def plan(self, requests: list[Request], limits: list[int]) -> list[int]:
