@@ -170,3 +170,22 @@ def test_embedded_model_with_its_draft_is_token_identical():
                                        speculative_method=method, spec_adaptive=False)
         assert run(engine, [engine.encode(prompt)], params) == expected, method
         assert engine.stats.spec_accepted_tokens > 0, method
+
+
+def test_eagle_restarting_on_recent_positions_keeps_greedy_output(llama_dir, eagle_head_dir,
+                                                                 reference, monkeypatch):
+    """After a long backlog (here: any prompt over 8 tokens) the EAGLE head restarts on
+    the latest positions; drafts change, the verified output does not."""
+    from tokenmill.spec import eagle
+
+    monkeypatch.setattr(eagle, "MAX_CATCH_UP", 8)
+    rebased = []
+    real = eagle.EagleProposer._rebase
+    monkeypatch.setattr(eagle.EagleProposer, "_rebase",
+                        lambda self, seq, drop: rebased.append(drop) or real(self, seq, drop))
+    engine = make_engine(llama_dir, spec_adaptive=False, speculative_method="eagle",
+                         speculative_model=str(eagle_head_dir))
+    assert run(engine, PROMPTS) == reference
+    assert rebased and engine.stats.spec_draft_tokens > 0
+    engine.check_integrity()
+    assert engine.proposer.kv_manager.num_free_blocks == engine.proposer.kv_manager.num_blocks

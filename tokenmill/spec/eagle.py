@@ -273,6 +273,12 @@ class _Draft:
     probs: list[torch.Tensor] = field(default_factory=list)
 
 
+# Most verified positions one catch-up runs for a request: after a longer gap (a
+# new prompt, or a stretch without speculation) the head restarts on the latest ones.
+# Bounds what a speculative step costs after the guard kept speculation off.
+MAX_CATCH_UP = 64
+
+
 class EagleProposer(Proposer):
     """Drafts with an EAGLE head over its own paged KV pool, batched across requests.
 
@@ -375,6 +381,11 @@ class EagleProposer(Proposer):
         token_ids = request.all_token_ids
         self._forget_changed_tokens(sequence, token_ids)
         num_pairs = len(token_ids) - 1 - sequence.offset
+        if num_pairs - sequence.num_computed_tokens > MAX_CATCH_UP:
+            # A long backlog (a new prompt, or steps without speculation): the head
+            # restarts on the latest MAX_CATCH_UP positions instead of running them all.
+            sequence = self._rebase(sequence, num_pairs - MAX_CATCH_UP)
+            num_pairs = len(token_ids) - 1 - sequence.offset
         # The last draft pair sits at target position len + num_tokens - 2.
         num_tokens = min(num_tokens, self.max_positions - len(token_ids) + 1)
         if num_pairs < 1 or sequence.num_features < num_pairs or num_tokens < 1:
@@ -387,6 +398,17 @@ class EagleProposer(Proposer):
         sequence.all_token_ids = token_ids[sequence.offset + 1:]
         sequence.known_token_ids = list(token_ids)
         return _Draft(request, sequence, num_tokens, num_pairs)
+
+    def _rebase(self, sequence: _DraftSequence, drop: int) -> _DraftSequence:
+        """The request's state without its first `drop` positions: their features go,
+        the head's cache is freed, and the rest is recomputed at the next catch-up."""
+        self.kv_manager.free(sequence)
+        kept = sequence.features[drop:sequence.num_features].clone()
+        rebased = _DraftSequence(sequence.request_id, sequence.offset + drop, kept)
+        rebased.num_features = kept.shape[0]
+        rebased.known_token_ids = sequence.known_token_ids
+        self._sequences[sequence.request_id] = rebased
+        return rebased
 
     def _forget_changed_tokens(self, sequence: _DraftSequence, token_ids: list[int]) -> None:
         known = sequence.known_token_ids
