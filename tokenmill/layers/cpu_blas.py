@@ -8,13 +8,16 @@ with the widest vector units the CPU has (AVX-512 where present). Measured on a
 decoder-shaped pass of the 0.5B model's weights with 2 threads, against OpenBLAS: equal
 at one row (both bandwidth-bound), 1.8-2.2x faster at 2-32 rows, 1.7-2x at 256-1024
 (`benchmarks/bench_cpu_blas.py`, docs/BENCHMARKS.md). It runs on torch's own thread
-pool, so nothing competes with torch's other work. The packed copy sits beside the
-torch parameter (which autograd, the tied embedding and the loaders still use).
+pool, so nothing competes with torch's other work. The packed copy replaces the
+plain weight (Linear frees it) unless the plain one is read elsewhere: a tied LM
+head's weight is also the embedding table. Row counts are padded to a bounded set
+of sizes (`onednn_rows`).
 
-NumPy's OpenBLAS (`numpy`) is the fallback where oneDNN is missing. PyTorch's CPU wheel multiplies float32 matrices with MKL, whose kernels on this
-project's AMD hosts stream a weight for a one-row product at about 25 GB/s, while
-OpenBLAS streams a decoder-shaped pass at about 52 GB/s on the same host and is
-1.1-2x faster at 5-512 rows (`benchmarks/bench_cpu_blas.py`, docs/BENCHMARKS.md).
+NumPy's OpenBLAS (`numpy`) is the fallback where oneDNN is missing. PyTorch's CPU
+wheel multiplies float32 matrices with MKL, whose kernels on this project's AMD
+hosts stream a weight for a one-row product at about 25 GB/s, while OpenBLAS
+streams a decoder-shaped pass at about 52 GB/s on the same host and is 1.1-2x
+faster at 5-512 rows (`benchmarks/bench_cpu_blas.py`, docs/BENCHMARKS.md).
 The weights stay torch parameters; NumPy sees the same memory (no copy), and the
 product's result is handed back to torch the same way.
 

@@ -9,8 +9,8 @@ picks the k in [0, K] with the best E / cost; k = 0 is plain decoding at 1 / S.
 
 The right-hand side is measured while serving: running least-squares fits of
 decode-step forward time against the rows the step computes (a + b rows, with
-S = (a + b B) / B at B decoding requests; rows are tokens, or tokens as the CPU
-BLAS path pads them, where 4-8 tokens cost one 8-row panel) and of proposer time
+S = (a + b B) / B at B decoding requests; rows are tokens as the CPU products pad
+them, e.g. 9-16 tokens alike) and of proposer time
 against the tokens it drafted (p0 + p1 tokens). α is an exponentially decayed count
 of accepted over verified draft positions per request, starting from an optimistic
 prior so that the first requests get to try (later ones start from the acceptance
@@ -129,8 +129,8 @@ def _identity(rows: int) -> int:
 class SpecController:
     def __init__(self, config: SpecConfig,
                  padded_rows: Callable[[int], int] = _identity) -> None:
-        # How many rows a step of n tokens computes (the CPU BLAS path pads partial
-        # 8-row panels, so 4 to 8 tokens cost alike); the fits are in these rows.
+        # How many rows a step of n tokens computes (the CPU products pad row counts:
+        # cpu_blas.onednn_rows / padded_rows); the fits are in these rows.
         self.padded_rows = padded_rows
         self.max_k = config.num_speculative_tokens
         self.adaptive = config.spec_adaptive
