@@ -70,6 +70,9 @@ def test_idle_requests_probe_on_the_same_step():
     controller = SpecController(SpecConfig(speculative_method="draft", num_speculative_tokens=4,
                                            spec_probe_interval=8))
     feed(controller, a=0.003, b=0.0005, draft_cost=0.001)
+    for batch in (4, 8):  # the guards of these batch sizes have a plain baseline
+        for _ in range(3):
+            controller.record_step(0.003, batch, speculated=False, batch=batch)
     requests = [request(f"idle{i}") for i in range(4)]
     plans = []
     for step in range(32):
@@ -104,7 +107,7 @@ def test_guard_turns_speculation_off_when_measured_steps_are_slower():
     for _ in range(20):  # ...but whole steps measure slower per emitted token (7%)
         controller.record_step(0.0064, 2, speculated=True)
         controller.record_step(0.003, 1, speculated=False)
-    assert controller.speculation_losing
+    assert controller.speculation_losing()
 
     def serve(steps: int, spec_cost: float) -> list[int]:
         """Plan and record whole steps as the engine does: a speculative step emits 2."""
@@ -133,7 +136,7 @@ def test_guard_turns_speculation_off_when_measured_steps_are_slower():
     assert gaps == sorted(gaps) and gaps[-1] > gaps[0]
     # Speculation becomes cheap (a retry measures it winning): back on for good.
     plans = serve(300, spec_cost=0.004)
-    assert not controller.speculation_losing
+    assert not controller.speculation_losing()
     assert sum(1 for k in plans[-32:] if k) >= 28
     plans = [controller.plan([r], [10])[0] for _ in range(8)]
     assert plans.count(4) == 7 and plans.count(0) == 1  # one forced plain step per interval
@@ -177,7 +180,7 @@ def test_a_heavy_loss_is_retried_rarely():
         for _ in range(20):
             controller.record_step(spec_cost, 2, speculated=True)
             controller.record_step(0.003, 1, speculated=False)
-        assert controller.speculation_losing
+        assert controller.speculation_losing()
         for step in range(1, 400):
             if controller.plan([r], [10])[0]:
                 return step
@@ -198,3 +201,23 @@ def test_new_requests_start_from_the_acceptance_measured_lately():
     new = request("new")
     assert controller.state(new).alpha < 0.1
     assert controller.plan([new], [10]) == [0]  # not tried afresh on every new request
+
+
+def test_the_guard_keeps_a_verdict_per_batch_size():
+    """Speculation that loses with 8 requests in a step stays off there, while single
+    requests, where it wins, keep speculating (and the reverse is not unlearnt)."""
+    controller = SpecController(SpecConfig(speculative_method="ngram", num_speculative_tokens=4,
+                                           spec_probe_interval=8))
+    feed(controller, a=0.003, b=0.0001, draft_cost=0.0)
+    alone, batch = request("alone"), [request(f"b{i}") for i in range(8)]
+    for r in [alone, *batch]:
+        for _ in range(10):
+            controller.record_verify(r, 4, 4)
+    for _ in range(20):
+        controller.record_step(0.010, 8, speculated=False, batch=8)
+        controller.record_step(0.030, 16, speculated=True, batch=8)  # 1.5x per token
+    assert controller.speculation_losing(8) and not controller.speculation_losing(1)
+    plans_alone = [controller.plan([alone], [10]) for _ in range(16)]
+    plans_batch = [controller.plan(batch, [10] * 8) for _ in range(16)]
+    assert sum(1 for p in plans_alone if p[0]) >= 14
+    assert not any(any(p) for p in plans_batch)

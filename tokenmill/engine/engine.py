@@ -294,7 +294,8 @@ class LLMEngine:
         if decode_only:
             self.spec_controller.record_step(time.perf_counter() - step_started,
                                              self.stats.generation_tokens - generated_before,
-                                             speculated=bool(result.spec_tokens))
+                                             speculated=bool(result.spec_tokens),
+                                             batch=len(sched.scheduled))
         if tracer is not None:
             tracer.end_step()
         return outputs

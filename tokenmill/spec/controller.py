@@ -21,16 +21,17 @@ can come back.
 A cost model can be wrong (caches, thread pools, Python overhead that does not
 scale like the fits assume), so a guard compares what matters directly: seconds
 per emitted token of whole decode steps with and without speculation (one plain
-step is forced every probe_interval steps to keep that figure fresh). When
-speculating does not measure at least 3% faster, nobody speculates (a near-tie is
-within the timing noise, and speculating costs more than its steps show); after
-probe_interval steps the guard retries: it forgets the speculative figure and
-speculates until it has a fresh one (3 steps). Each retry that still loses doubles the wait (up to 16
-intervals); one that wins resets it. The wait is also long enough that a retry
-costs at most ~2% of the steps it is spread over, by the loss last measured: a
-proposer whose steps cost 3x a plain one per token (an EAGLE head catching up on
-the positions it skipped while off) is retried far less often than one that lost
-by a few percent.
+step is forced every probe_interval steps to keep that figure fresh), kept per
+batch-size class (1, 2-3, 4-7, ...), since whether speculation pays depends on how
+many requests share a step. When speculating does not measure at least 3% faster,
+nobody speculates (a near-tie is within the timing noise, and speculating costs
+more than its steps show); after probe_interval steps the guard retries: it
+forgets the speculative figure and speculates until it has a fresh one (3 steps).
+Each retry that still loses doubles the wait (up to 16 intervals); one that wins
+resets it. The wait is also long enough that a retry costs at most ~2% of the
+steps it is spread over, by the loss last measured: a proposer whose steps cost 3x
+a plain one per token is retried far less often than one that lost by a few
+percent.
 """
 
 from __future__ import annotations
@@ -126,6 +127,58 @@ def _identity(rows: int) -> int:
     return rows
 
 
+class Guard:
+    """Measured seconds per emitted token of plain and speculative decode steps (of
+    one batch-size class), and the retry schedule while speculation loses."""
+
+    def __init__(self, probe_interval: int) -> None:
+        self.probe_interval = probe_interval
+        self.plain_rate = StepRate()
+        self.spec_rate = StepRate()
+        self.last_probe = 0
+        self.interval = probe_interval
+        self.backing_off = False
+
+    def record(self, seconds: float, num_emitted: int, speculated: bool) -> None:
+        (self.spec_rate if speculated else self.plain_rate).add(seconds, num_emitted)
+
+    @property
+    def losing(self) -> bool:
+        plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
+        return plain is not None and spec is not None and spec > plain * (1.0 - GUARD_MARGIN)
+
+    def retry_wait(self) -> int:
+        """Steps between retries for which a retry (RETRY_STEPS speculative steps at
+        the last measured loss) costs RETRY_BUDGET of their time."""
+        plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
+        if plain is None or spec is None or plain <= 0.0:
+            return self.probe_interval
+        loss = spec / plain - (1.0 - GUARD_MARGIN)
+        return math.ceil(RETRY_STEPS * max(loss, 0.0) / RETRY_BUDGET)
+
+    def allows(self, step: int) -> bool:
+        """Whether step `step` may speculate. While speculation loses: off; after a
+        while, retry: forget the old verdict and measure speculation afresh for a few
+        steps (the verdict may come from a stretch of text that did not speculate
+        well, or from cold caches). The wait doubles while retries keep losing (a
+        step of an expensive proposer costs several plain steps) and lets a retry
+        cost at most RETRY_BUDGET at the loss last measured."""
+        if not self.losing:
+            if self.backing_off and self.spec_rate.per_token is not None:
+                self.backing_off, self.interval = False, self.probe_interval  # won again
+            return True
+        longest = 16 * self.probe_interval
+        if not self.backing_off:
+            self.backing_off, self.last_probe = True, step
+            self.interval = min(max(self.interval, self.retry_wait()), longest)
+        if step - self.last_probe < self.interval:
+            return False
+        self.last_probe = step
+        self.interval = min(max(2 * self.interval, self.retry_wait()), longest)
+        self.spec_rate = StepRate()
+        return True
+
+
 class SpecController:
     def __init__(self, config: SpecConfig,
                  padded_rows: Callable[[int], int] = _identity) -> None:
@@ -140,12 +193,11 @@ class SpecController:
         self.overall = RequestSpecState(accepted=0.0, tried=0.0)
         self.fit = StepCostFit()
         self.propose_fit = StepCostFit()
-        self.plain_rate = StepRate()
-        self.spec_rate = StepRate()
         self.steps = 0
-        self.last_probe = 0
-        self.guard_interval = config.spec_probe_interval
-        self.backing_off = False
+        # One guard per batch-size class (1, 2-3, 4-7, 8-15, ...): whether speculation
+        # pays depends on how many requests share a step, and a verdict learnt at one
+        # size must neither carry over to another nor be unlearnt there.
+        self.guards: dict[int, Guard] = {}
 
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -170,24 +222,22 @@ class SpecController:
         """One proposer call (including calls that found nothing to propose)."""
         self.propose_fit.add(num_tokens, seconds)
 
-    def record_step(self, seconds: float, num_emitted: int, speculated: bool) -> None:
-        """A whole decode-only step (propose to last emitted token) for the guard."""
+    def record_step(self, seconds: float, num_emitted: int, speculated: bool,
+                    batch: int = 1) -> None:
+        """A whole decode-only step of `batch` requests (propose to last emitted token)
+        for the guard."""
         if num_emitted:
-            (self.spec_rate if speculated else self.plain_rate).add(seconds, num_emitted)
+            self.guard(batch).record(seconds, num_emitted, speculated)
 
-    @property
-    def speculation_losing(self) -> bool:
-        plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
-        return plain is not None and spec is not None and spec > plain * (1.0 - GUARD_MARGIN)
+    def guard(self, batch: int) -> Guard:
+        size_class = 1 << (max(batch, 1).bit_length() - 1)
+        guard = self.guards.get(size_class)
+        if guard is None:
+            guard = self.guards[size_class] = Guard(self.probe_interval)
+        return guard
 
-    def _retry_wait(self) -> int:
-        """Steps between guard retries for which a retry (RETRY_STEPS speculative steps
-        at the last measured loss) costs RETRY_BUDGET of their time."""
-        plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
-        if plain is None or spec is None or plain <= 0.0:
-            return self.probe_interval
-        loss = spec / plain - (1.0 - GUARD_MARGIN)
-        return math.ceil(RETRY_STEPS * max(loss, 0.0) / RETRY_BUDGET)
+    def speculation_losing(self, batch: int = 1) -> bool:
+        return self.guard(batch).losing
 
     def record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         state = self.state(request)
@@ -205,30 +255,14 @@ class SpecController:
             return [min(self.max_k, limit) for limit in limits]
         self.steps += 1
         phase = self.steps % self.probe_interval
-        warming = self.plain_rate.per_token is None and self.steps % 2 == 0
+        guard = self.guard(len(requests))
+        warming = guard.plain_rate.per_token is None and self.steps % 2 == 0
         if phase == 0 or warming:
             # Plain steps keep the guard's baseline fresh (every other step until it
             # has one, so a losing configuration is caught within a few steps).
             return [0] * len(requests)
-        if self.speculation_losing:
-            # Off; after a while, retry: forget the old verdict and measure speculation
-            # afresh for a few steps (the verdict may come from a stretch of text that
-            # did not speculate well, or from cold caches). The wait doubles while
-            # retries keep losing: a step of an expensive proposer costs several plain
-            # steps.
-            longest = 16 * self.probe_interval
-            if not self.backing_off:
-                self.backing_off, self.last_probe = True, self.steps
-                self.guard_interval = min(max(self.guard_interval, self._retry_wait()),
-                                          longest)
-            if self.steps - self.last_probe < self.guard_interval:
-                return [0] * len(requests)
-            self.last_probe = self.steps
-            self.guard_interval = min(max(2 * self.guard_interval, self._retry_wait()),
-                                      longest)
-            self.spec_rate = StepRate()
-        elif self.backing_off and self.spec_rate.per_token is not None:
-            self.backing_off, self.guard_interval = False, self.probe_interval  # won again
+        if not guard.allows(self.steps):
+            return [0] * len(requests)
         fit = self.fit.coefficients()
         if fit is None:
             return [min(self.max_k, limit) for limit in limits]
