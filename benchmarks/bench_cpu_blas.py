@@ -62,9 +62,10 @@ def per_layer(shapes: dict, row_counts: tuple, rounds: int, threads: int) -> Non
 
 def decoder_pass(threads: int, rounds: int, row_counts: tuple) -> None:
     shapes, _ = SHAPES["qwen0.5b"]
-    layers = [{name: torch.randn(o, i).t().contiguous() for name, (o, i) in shapes.items()
-               if name != "lm_head"} for _ in range(24)]
-    lm_head = torch.randn(896, 151936)
+    # Scaled like trained weights, so the activations stay finite over 24 layers.
+    layers = [{name: (0.02 * torch.randn(o, i)).t().contiguous()
+               for name, (o, i) in shapes.items() if name != "lm_head"} for _ in range(24)]
+    lm_head = 0.02 * torch.randn(896, 151936)
     # The same weights packed for oneDNN, keyed by the [in, out] tensor's identity.
     packed = {id(w): cpu_blas.onednn_weight(w, transposed=True)
               for w in [lm_head, *(w for layer in layers for w in layer.values())]}
