@@ -5,8 +5,8 @@ kernels run on weights reordered once, at attach time, into the blocked layout t
 read (`torch.ops.mkldnn._reorder_linear_weight`): a call neither packs nor copies the
 weight, so a few-row product streams it at the memory's pace and a many-row one runs
 with the widest vector units the CPU has (AVX-512 where present). Measured on a
-decoder-shaped pass of the 0.5B model's weights with 2 threads, against OpenBLAS: equal
-at one row (both bandwidth-bound), 1.8-2.2x faster at 2-32 rows, 1.7-2x at 256-1024
+decoder-shaped pass of the 0.5B model's weights with 2 threads, against OpenBLAS:
+1.0-1.5x at one row (both bandwidth-bound), 1.7-2.3x at 2-1024 rows
 (`benchmarks/bench_cpu_blas.py`, docs/BENCHMARKS.md). It runs on torch's own thread
 pool, so nothing competes with torch's other work. The packed copy replaces the
 plain weight (Linear frees it) unless the plain one is read elsewhere: a tied LM
