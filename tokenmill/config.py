@@ -142,8 +142,9 @@ class SpecConfig:
     # eagle: a feature-level draft head trained for the target.
     speculative_method: Literal["ngram", "draft", "eagle"] | None = None
     # Most tokens proposed per request per step (k).
-    # 7: on the CPU BLAS path 4-7 drafts are verified in one padded 8-row panel, so
-    # the most the panel holds is the default (measured better than 4 for n-gram).
+    # 7: a lone request's 1 + 7 rows are the most the CPU products compute without
+    # padding (cpu_blas.onednn_rows; on the OpenBLAS path, one 8-row panel), and
+    # measured better than 4 for n-gram (docs/BENCHMARKS.md).
     num_speculative_tokens: int = 7
     # draft: the draft model directory (default: "<model>-draft" beside the target);
     # eagle: the head directory (default: "<model>/eagle").

@@ -151,7 +151,7 @@ def resolve(setting: str, device: torch.device, dtype: torch.dtype) -> str | Non
     return setting
 
 
-def attach(model: nn.Module, kind: str = "numpy") -> None:
+def attach(model: nn.Module, kind: str) -> None:
     """Route the products of every module in `model` that can take them (those with a
     `use_cpu_products` method: Linear, the MoE experts) through `kind` ('onednn' or
     'numpy'); inference only."""

@@ -31,8 +31,9 @@ class Linear(nn.Module):
         shape = (in_features, out_features) if transposed else (out_features, in_features)
         self.weight = nn.Parameter(torch.empty(shape))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
-        # Set by cpu_blas.attach, used only without autograd: oneDNN's packed copy of
-        # the weight, or a NumPy view [in, out] of it for NumPy's BLAS.
+        # Set by cpu_blas.attach: oneDNN's packed copy of the weight, or a NumPy view
+        # [in, out] of it for NumPy's BLAS; used without autograd (and the packed copy
+        # always, once the plain weight is freed).
         self.packed_weight: torch.Tensor | None = None
         self.blas_weight: np.ndarray | None = None
         # Whether the plain weight is read for more than products (a tied LM head is
