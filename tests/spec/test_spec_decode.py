@@ -189,3 +189,49 @@ def test_eagle_restarting_on_recent_positions_keeps_greedy_output(llama_dir, eag
     assert rebased and engine.stats.spec_draft_tokens > 0
     engine.check_integrity()
     assert engine.proposer.kv_manager.num_free_blocks == engine.proposer.kv_manager.num_blocks
+
+
+def test_draft_restarting_on_recent_tokens_keeps_greedy_output(llama_dir, reference,
+                                                               monkeypatch):
+    """A draft model's shadow starts (and, after a long gap, restarts) on the latest
+    MAX_CATCH_UP tokens: its drafts change, the verified output does not."""
+    from tokenmill.spec import draft
+
+    monkeypatch.setattr(draft, "MAX_CATCH_UP", 8)
+    offsets = []
+    real = draft.DraftModelProposer._sync
+
+    def sync(self, request):
+        shadow = real(self, request)
+        offsets.append(self.offsets[request.request_id])
+        assert shadow.all_token_ids == request.all_token_ids[offsets[-1]:]
+        return shadow
+
+    monkeypatch.setattr(draft.DraftModelProposer, "_sync", sync)
+    engine = make_engine(llama_dir, spec_adaptive=False, speculative_method="draft",
+                         speculative_model=str(llama_dir))
+    assert run(engine, PROMPTS) == reference
+    assert max(offsets) > 0 and engine.stats.spec_accepted_tokens > 0
+    engine.check_integrity()
+    assert engine.proposer.kv.num_free_blocks == engine.proposer.kv.num_blocks
+
+
+def test_eagle_with_gaps_in_the_features_keeps_greedy_output(llama_dir, eagle_head_dir,
+                                                              reference, monkeypatch):
+    """While the guard keeps speculation off the head is not fed hidden states; when
+    they come back after a gap it restarts on them. Drafts change, output does not."""
+    from tokenmill.spec.controller import SpecController
+
+    calls = []
+
+    def wants_features(self, batch):
+        calls.append(batch)
+        return len(calls) % 6 not in (2, 3, 4)  # 3 steps in 6 without features
+
+    monkeypatch.setattr(SpecController, "wants_features", wants_features)
+    engine = make_engine(llama_dir, spec_adaptive=False, speculative_method="eagle",
+                         speculative_model=str(eagle_head_dir))
+    assert run(engine, PROMPTS) == reference
+    assert len(calls) > 20 and engine.stats.spec_draft_tokens > 0
+    engine.check_integrity()
+    assert engine.proposer.kv_manager.num_free_blocks == engine.proposer.kv_manager.num_blocks

@@ -251,6 +251,9 @@ class LLMEngine:
         # the steps the controller's fits and guard compare.
         decode_only = self.spec_controller is not None and all(
             r.num_computed_tokens == r.num_tokens - 1 > 0 for r, _ in sched.scheduled)
+        if self.proposer is not None and self.proposer.needs_hidden_states:
+            self.runner.keep_hidden = self.spec_controller.wants_features(
+                len(sched.scheduled))
         started = time.perf_counter()
         result = self.runner.execute(sched, tables)
         if decode_only:

@@ -17,6 +17,12 @@ import torch
 
 from tokenmill.engine.request import Request
 
+# Most verified positions one catch-up runs for a request: after a longer gap (a new
+# prompt, or a stretch without speculation) a stateful proposer restarts on the
+# latest ones. Bounds what the first speculative step costs when the guard turns
+# speculation back on; it changes drafts, never output.
+MAX_CATCH_UP = 64
+
 
 @dataclass
 class Proposal:

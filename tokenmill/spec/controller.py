@@ -52,10 +52,17 @@ PRIOR_TOKEN_COST = 0.05
 # A guard retry measures this many speculative steps, and may cost this share of
 # the steps between retries (in plain-step time, by the last measured loss).
 RETRY_STEPS, RETRY_BUDGET = 3, 0.02
+# The longest wait between retries, in probe intervals (of the batch-size class's
+# own steps): a proposer whose steps cost many plain ones is still retried now and
+# then, since the text it drafts for may have changed.
+LONGEST_WAIT = 64
 # Speculation stays on only while its steps measure at least this much faster per
 # emitted token than plain ones: a near-tie is within the step-timing noise, and
 # speculating has costs the step timings do not show (planning, proposer state).
 GUARD_MARGIN = 0.03
+# While the guard keeps speculation off, a feature-level proposer (EAGLE) is not fed
+# the target's hidden states, except for this many steps before a retry.
+FEATURE_LEAD = 8
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -105,22 +112,28 @@ class StepCostFit:
 
 
 class StepRate:
-    """Exponentially weighted seconds per emitted token."""
+    """Exponentially weighted seconds per emitted token (and per step)."""
 
     def __init__(self, decay: float = 0.9) -> None:
         self.decay = decay
         self.seconds = 0.0
         self.tokens = 0.0
+        self.weight = 0.0  # decayed step count
         self.samples = 0
 
     def add(self, seconds: float, tokens: int) -> None:
         self.seconds = self.decay * self.seconds + seconds
         self.tokens = self.decay * self.tokens + tokens
+        self.weight = self.decay * self.weight + 1.0
         self.samples += 1
 
     @property
     def per_token(self) -> float | None:
         return self.seconds / self.tokens if self.samples >= 3 and self.tokens else None
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.weight if self.weight else 0.0
 
 
 def _identity(rows: int) -> int:
@@ -129,15 +142,22 @@ def _identity(rows: int) -> int:
 
 class Guard:
     """Measured seconds per emitted token of plain and speculative decode steps (of
-    one batch-size class), and the retry schedule while speculation loses."""
+    one batch-size class), and the retry schedule while speculation loses. Steps are
+    counted per class: a class that is rarely seen is not retried on each visit."""
 
-    def __init__(self, probe_interval: int) -> None:
+    def __init__(self, probe_interval: int, presumed_losing_wait: int | None = None) -> None:
         self.probe_interval = probe_interval
         self.plain_rate = StepRate()
         self.spec_rate = StepRate()
+        self.steps = 0  # plans made for this class
         self.last_probe = 0
         self.interval = probe_interval
         self.backing_off = False
+        # Set when a smaller batch-size class measured speculation losing: this one
+        # starts off (waiting as long as that one does) without paying to learn it.
+        self.presumed_losing = presumed_losing_wait is not None
+        if presumed_losing_wait is not None:
+            self.backing_off, self.interval = True, presumed_losing_wait
 
     def record(self, seconds: float, num_emitted: int, speculated: bool) -> None:
         (self.spec_rate if speculated else self.plain_rate).add(seconds, num_emitted)
@@ -145,16 +165,20 @@ class Guard:
     @property
     def losing(self) -> bool:
         plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
-        return plain is not None and spec is not None and spec > plain * (1.0 - GUARD_MARGIN)
+        if spec is None:
+            return self.presumed_losing
+        return plain is not None and spec > plain * (1.0 - GUARD_MARGIN)
 
     def retry_wait(self) -> int:
         """Steps between retries for which a retry (RETRY_STEPS speculative steps at
-        the last measured loss) costs RETRY_BUDGET of their time."""
+        the last measured loss) costs RETRY_BUDGET of their time. A speculative step
+        emits more tokens than a plain one, and its loss is on each of them."""
         plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
         if plain is None or spec is None or plain <= 0.0:
             return self.probe_interval
         loss = spec / plain - (1.0 - GUARD_MARGIN)
-        return math.ceil(RETRY_STEPS * max(loss, 0.0) / RETRY_BUDGET)
+        emitted = self.spec_rate.tokens_per_step / max(self.plain_rate.tokens_per_step, 1e-9)
+        return math.ceil(RETRY_STEPS * max(loss, 0.0) * max(emitted, 1.0) / RETRY_BUDGET)
 
     def allows(self, step: int) -> bool:
         """Whether step `step` may speculate. While speculation loses: off; after a
@@ -167,7 +191,7 @@ class Guard:
             if self.backing_off and self.spec_rate.per_token is not None:
                 self.backing_off, self.interval = False, self.probe_interval  # won again
             return True
-        longest = 16 * self.probe_interval
+        longest = LONGEST_WAIT * self.probe_interval
         if not self.backing_off:
             self.backing_off, self.last_probe = True, step
             self.interval = min(max(self.interval, self.retry_wait()), longest)
@@ -176,6 +200,7 @@ class Guard:
         self.last_probe = step
         self.interval = min(max(2 * self.interval, self.retry_wait()), longest)
         self.spec_rate = StepRate()
+        self.presumed_losing = False
         return True
 
 
@@ -193,10 +218,10 @@ class SpecController:
         self.overall = RequestSpecState(accepted=0.0, tried=0.0)
         self.fit = StepCostFit()
         self.propose_fit = StepCostFit()
-        self.steps = 0
         # One guard per batch-size class (1, 2-3, 4-7, 8-15, ...): whether speculation
         # pays depends on how many requests share a step, and a verdict learnt at one
-        # size must neither carry over to another nor be unlearnt there.
+        # size must not be unlearnt at another (a loss only carries over to larger
+        # classes, as a presumption: see guard()).
         self.guards: dict[int, Guard] = {}
 
     def release(self, request_id: str) -> None:
@@ -233,11 +258,30 @@ class SpecController:
         size_class = 1 << (max(batch, 1).bit_length() - 1)
         guard = self.guards.get(size_class)
         if guard is None:
-            guard = self.guards[size_class] = Guard(self.probe_interval)
+            # Verification costs grow with the batch while a draft's worth does not:
+            # where the nearest smaller class measured speculation losing, so does
+            # this one, presumably; it starts off and first tries after that class's
+            # wait, instead of paying the proposer's start-up to learn it.
+            smaller = [c for c in self.guards if c < size_class]
+            nearest = self.guards[max(smaller)] if smaller else None
+            wait = nearest.interval if nearest is not None and nearest.losing else None
+            guard = self.guards[size_class] = Guard(self.probe_interval, wait)
         return guard
 
     def speculation_losing(self, batch: int = 1) -> bool:
         return self.guard(batch).losing
+
+    def wants_features(self, batch: int) -> bool:
+        """Whether a step of `batch` requests should hand the target's hidden states to
+        the proposer (EAGLE): not while the guard keeps speculation off there, which
+        saves a copy per request per step; it resumes FEATURE_LEAD steps before the
+        retry, and the head restarts on what it sees from then on."""
+        if not self.adaptive:
+            return True
+        guard = self.guard(batch)
+        if not (guard.losing and guard.backing_off):
+            return True
+        return guard.steps - guard.last_probe >= guard.interval - FEATURE_LEAD
 
     def record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         state = self.state(request)
@@ -253,15 +297,15 @@ class SpecController:
         """Tokens to propose per request (0: decode normally); limits cap each k."""
         if not self.adaptive:
             return [min(self.max_k, limit) for limit in limits]
-        self.steps += 1
-        phase = self.steps % self.probe_interval
         guard = self.guard(len(requests))
-        warming = guard.plain_rate.per_token is None and self.steps % 2 == 0
+        guard.steps += 1
+        phase = guard.steps % self.probe_interval
+        warming = guard.plain_rate.per_token is None and guard.steps % 2 == 0
         if phase == 0 or warming:
             # Plain steps keep the guard's baseline fresh (every other step until it
             # has one, so a losing configuration is caught within a few steps).
             return [0] * len(requests)
-        if not guard.allows(self.steps):
+        if not guard.allows(guard.steps):
             return [0] * len(requests)
         fit = self.fit.coefficients()
         if fit is None:

@@ -2,10 +2,11 @@
 
 The draft keeps its own paged KV pool (its own KVCacheManager and ModelRunner in the
 same process) and a shadow Request per target request holding the tokens the draft
-has processed. Before proposing it compares the shadow with the target's tokens:
-everything after the common prefix (rejected drafts) is dropped by moving the
-shadow's num_computed_tokens back, exactly like the target's own rollback. Then one
-forward catches the draft up on the target's new tokens and k - 1 more decode
+has processed (at most the latest MAX_CATCH_UP tokens when it starts, or restarts
+after a long gap). Before proposing it compares the shadow with the target's
+tokens: everything after the common prefix (rejected drafts) is dropped by moving
+the shadow's num_computed_tokens back, exactly like the target's own rollback. Then
+one forward catches the draft up on the target's new tokens and k - 1 more decode
 forwards extend the guess, batched across requests in micro-batches of at most
 draft_micro_batch requests.
 """
@@ -20,7 +21,7 @@ from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.model.loader import load_model
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.spec.base import DraftSampler, Proposal, Proposer
+from tokenmill.spec.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
 from tokenmill.spec.verify import processed_probs
 
 logger = logging.getLogger(__name__)
@@ -44,9 +45,11 @@ class DraftModelProposer(Proposer):
         self.micro_batch = micro_batch
         self.sampler = DraftSampler(seed)
         self.shadows: dict[str, Request] = {}
+        self.offsets: dict[str, int] = {}  # the first request position a shadow holds
 
     def release(self, request_id: str) -> None:
         shadow = self.shadows.pop(request_id, None)
+        self.offsets.pop(request_id, None)
         if shadow is not None:
             self.kv.free(shadow)
         self.sampler.release(request_id)
@@ -54,25 +57,43 @@ class DraftModelProposer(Proposer):
     @torch.inference_mode()
     def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
         proposals = {r.request_id: Proposal([]) for r in requests}
-        work = [(self._sync(r), k) for r, k in zip(requests, num_tokens, strict=True)
-                if r.num_tokens + k <= self.max_len]
+        work = []
+        for request, k in zip(requests, num_tokens, strict=True):
+            shadow = self._sync(request)
+            if shadow.num_tokens + k <= self.max_len:
+                work.append((shadow, k))
         step = self.micro_batch or len(work) or 1
         for start in range(0, len(work), step):
             self._propose_batch(work[start:start + step], proposals)
         return [proposals[r.request_id] for r in requests]
 
     def _sync(self, request: Request) -> Request:
-        """The request's shadow, rolled back to the tokens it shares with the target."""
-        shadow = self.shadows.get(request.request_id)
+        """The request's shadow, rolled back to the tokens it shares with the target.
+
+        A shadow covers the request's tokens from `offset` on: after a backlog of
+        more than MAX_CATCH_UP tokens (a new prompt, or steps without speculation) it
+        restarts on the latest ones, so catching up costs a bounded forward. Rotary
+        positions only encode distances, so the restarted shadow attends exactly as a
+        sliding window would; the draft sees less context, the output is unchanged.
+        """
+        rid = request.request_id
+        shadow = self.shadows.get(rid)
+        tokens = request.all_token_ids
+        if shadow is not None:
+            new = tokens[self.offsets[rid]:]
+            old = shadow.all_token_ids
+            common = min(shadow.num_computed_tokens, len(new))
+            # Only the tail can differ (rejected drafts): scan back from the end.
+            while common and old[common - 1] != new[common - 1]:
+                common -= 1
+            if len(new) - common > MAX_CATCH_UP:
+                self.kv.free(shadow)
+                shadow = None
         if shadow is None:
-            shadow = Request(request.request_id, request.prompt_token_ids,
-                             request.sampling_params, 0.0, request.max_tokens)
-            self.shadows[request.request_id] = shadow
-        old, new = shadow.all_token_ids, request.all_token_ids
-        common = min(shadow.num_computed_tokens, len(new))
-        # Only the tail can differ (rejected drafts): scan back from the end.
-        while common and old[common - 1] != new[common - 1]:
-            common -= 1
+            offset = max(0, len(tokens) - MAX_CATCH_UP)
+            new, common = tokens[offset:], 0
+            shadow = Request(rid, new, request.sampling_params, 0.0, request.max_tokens)
+            self.shadows[rid], self.offsets[rid] = shadow, offset
         shadow.num_computed_tokens = common
         shadow.all_token_ids = list(new)
         return shadow

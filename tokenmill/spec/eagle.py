@@ -47,7 +47,7 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.spec.base import DraftSampler, Proposal, Proposer
+from tokenmill.spec.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
 from tokenmill.spec.verify import processed_probs
 
 FORMAT = "tokenmill-eagle-1"
@@ -273,12 +273,6 @@ class _Draft:
     probs: list[torch.Tensor] = field(default_factory=list)
 
 
-# Most verified positions one catch-up runs for a request: after a longer gap (a
-# new prompt, or a stretch without speculation) the head restarts on the latest ones.
-# Bounds what a speculative step costs after the guard kept speculation off.
-MAX_CATCH_UP = 64
-
-
 class EagleProposer(Proposer):
     """Drafts with an EAGLE head over its own paged KV pool, batched across requests.
 
@@ -322,9 +316,11 @@ class EagleProposer(Proposer):
     # ---- engine interface ----------------------------------------------------------------
     @torch.inference_mode()
     def observe(self, request: Request, first_position: int, hidden: torch.Tensor) -> None:
+        # Tokens are checked when drafting starts (_start_draft), not on every step:
+        # the target recomputes from any position whose token changed, and reports
+        # it here as first_position, which is what cuts the features back.
         sequence = self._sequences.get(request.request_id)
         if sequence is not None:
-            self._forget_changed_tokens(sequence, request.all_token_ids)
             if sequence.offset <= first_position <= sequence.offset + sequence.num_features:
                 # Features re-sent from first_position on replace what was there.
                 sequence.keep_prefix(first_position)
@@ -336,7 +332,6 @@ class EagleProposer(Proposer):
             sequence = _DraftSequence(request.request_id, first_position, empty)
             self._sequences[request.request_id] = sequence
         sequence.append_features(hidden.detach().to(self.device, self.dtype))
-        sequence.known_token_ids = list(request.all_token_ids)
 
     def release(self, request_id: str) -> None:
         sequence = self._sequences.pop(request_id, None)
