@@ -21,17 +21,25 @@ can come back.
 A cost model can be wrong (caches, thread pools, Python overhead that does not
 scale like the fits assume), so a guard compares what matters directly: seconds
 per emitted token of whole decode steps with and without speculation (one plain
-step is forced every probe_interval steps to keep that figure fresh), kept per
-batch-size class (1, 2-3, 4-7, ...), since whether speculation pays depends on how
-many requests share a step. When speculating does not measure at least 3% faster,
-nobody speculates (a near-tie is within the timing noise, and speculating costs
-more than its steps show); after probe_interval steps the guard retries: it
-forgets the speculative figure and speculates until it has a fresh one (3 steps).
-Each retry that still loses doubles the wait (up to 16 intervals); one that wins
-resets it. The wait is also long enough that a retry costs at most ~2% of the
-steps it is spread over, by the loss last measured: a proposer whose steps cost 3x
-a plain one per token is retried far less often than one that lost by a few
-percent.
+step is forced every probe_interval steps to keep that figure fresh, every fourth
+interval while speculation wins by 20% or more), kept per batch-size class (1, 2-3,
+4-7, ...), since whether speculation pays depends on how many requests share a step.
+When speculating does not measure at least 3% faster, nobody speculates (a near-tie
+is within the timing noise, and speculating costs more than its steps show); after
+a wait the guard retries: it forgets the speculative figure and speculates until it
+has a fresh one (3 steps). Each retry that still loses doubles the wait (up to 64
+intervals); one that wins resets it. The wait is also long enough that a retry
+costs at most ~1% of the steps it is spread over, by the loss last measured on
+each token a speculative step emits: a proposer whose steps cost 3x a plain one
+per token is retried far less often than one that lost by a few percent. Waits are
+counted in the class's own steps.
+
+Learning that speculation loses costs speculative steps, so a class learns from
+smaller ones: verifying drafts costs more, relative to a plain step, the more
+requests share the step, while what a draft is worth does not change; where the
+nearest smaller class measured speculation losing, a new class presumes the same
+and first tries after that class's wait. While speculation is off, a feature-level
+proposer is not fed hidden states (see wants_features).
 """
 
 from __future__ import annotations
@@ -51,7 +59,7 @@ OVERALL_DECAY = 0.98
 PRIOR_TOKEN_COST = 0.05
 # A guard retry measures this many speculative steps, and may cost this share of
 # the steps between retries (in plain-step time, by the last measured loss).
-RETRY_STEPS, RETRY_BUDGET = 3, 0.02
+RETRY_STEPS, RETRY_BUDGET = 3, 0.01
 # The longest wait between retries, in probe intervals (of the batch-size class's
 # own steps): a proposer whose steps cost many plain ones is still retried now and
 # then, since the text it drafts for may have changed.
@@ -60,6 +68,11 @@ LONGEST_WAIT = 64
 # emitted token than plain ones: a near-tie is within the step-timing noise, and
 # speculating has costs the step timings do not show (planning, proposer state).
 GUARD_MARGIN = 0.03
+# Where speculation measures at least this much faster per token, the plain steps
+# that keep the baseline fresh come REFRESH_STRETCH times less often: a stale
+# baseline can only make the guard more cautious (plain steps slow down as contexts
+# grow), and each plain step forgoes most of a large gain.
+CLEAR_WIN, REFRESH_STRETCH = 0.2, 4
 # While the guard keeps speculation off, a feature-level proposer (EAGLE) is not fed
 # the target's hidden states, except for this many steps before a retry.
 FEATURE_LEAD = 8
@@ -161,6 +174,13 @@ class Guard:
 
     def record(self, seconds: float, num_emitted: int, speculated: bool) -> None:
         (self.spec_rate if speculated else self.plain_rate).add(seconds, num_emitted)
+
+    def refresh_interval(self) -> int:
+        """Steps between the plain steps that keep the baseline fresh."""
+        plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
+        if plain is not None and spec is not None and spec <= plain * (1.0 - CLEAR_WIN):
+            return REFRESH_STRETCH * self.probe_interval
+        return self.probe_interval
 
     @property
     def losing(self) -> bool:
@@ -301,7 +321,7 @@ class SpecController:
         guard.steps += 1
         phase = guard.steps % self.probe_interval
         warming = guard.plain_rate.per_token is None and guard.steps % 2 == 0
-        if phase == 0 or warming:
+        if guard.steps % guard.refresh_interval() == 0 or warming:
             # Plain steps keep the guard's baseline fresh (every other step until it
             # has one, so a losing configuration is caught within a few steps).
             return [0] * len(requests)
