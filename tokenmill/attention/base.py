@@ -9,7 +9,7 @@ runner and passed down explicitly (no globals).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -46,6 +46,9 @@ class AttentionMetadata:
     # of a [D * Q] query grid.
     decode_query_len: int = 1
     decode_query_index: torch.Tensor | None = None
+    # decode_mask laid out for the attention backend's grouped query rows, by group
+    # size (filled by the backend on the first layer of a step, reused by the rest).
+    grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class AttentionBackend(ABC):

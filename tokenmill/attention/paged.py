@@ -56,16 +56,47 @@ class PagedAttention(AttentionBackend):
                 scale: float) -> torch.Tensor:
         keys, values = kv_cache.gather(metadata.decode_block_tables)  # [D, L, KVH, Dh]
         rows, query_len = keys.shape[0], metadata.decode_query_len
-        if query_len == 1:
-            queries = q.unsqueeze(2)  # [D, H, 1, Dh]
-        else:
+        group = q.shape[1] // keys.shape[2]
+        if query_len > 1:  # rows' tokens into a [D * Q] grid (padding queries are zero)
             grid = q.new_zeros(rows * query_len, *q.shape[1:])
             grid.index_copy_(0, metadata.decode_query_index, q)
-            queries = grid.view(rows, query_len, *q.shape[1:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(
-            queries, keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=metadata.decode_mask, scale=scale, enable_gqa=True)  # [D, H, Q, Dh]
+            q = grid
+        # Every layer of the step shares the mask laid out for the grouped rows.
+        mask = metadata.grouped_masks.get(group)
+        if mask is None:
+            mask = metadata.grouped_masks[group] = group_mask(metadata.decode_mask, group)
+        o = grouped_decode_attention(q, keys, values, mask, query_len, scale)
         if query_len == 1:
-            return o.squeeze(2)
-        o = o.transpose(1, 2).reshape(rows * query_len, *q.shape[1:])
+            return o
         return o.index_select(0, metadata.decode_query_index)
+
+
+def group_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
+    """A decode mask [D, 1, Q, L] for grouped query rows (g, r): [D, 1, G * Q, L]."""
+    rows, _, query_len, length = mask.shape
+    if query_len == 1 or group == 1:
+        return mask  # [D, 1, 1, L] broadcasts over the rows
+    return (mask[:, :, None].expand(rows, 1, group, query_len, length)
+            .reshape(rows, 1, group * query_len, length))
+
+
+def grouped_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             mask: torch.Tensor, query_len: int,
+                             scale: float | None = None) -> torch.Tensor:
+    """Attention of a [D * Q, H, Dh] query grid over keys and values [D, L, KVH, Dh]
+    (as the cache's gather returns them) under group_mask's mask; [D * Q, H, Dh].
+
+    The G = H / KVH query heads that share a KV head become that head's query rows,
+    [D, KVH, G * Q, Dh] (ordered (g, r)): one product per KV head, instead of SDPA's
+    enable_gqa broadcast, which measured 1.2x slower at one query per request and
+    1.3-1.9x slower with speculative rows (`benchmarks/bench_decode_attention.py`).
+    """
+    rows, _, kv_heads, head_dim = keys.shape
+    heads = q.shape[1]
+    group = heads // kv_heads
+    queries = (q.view(rows, query_len, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+               .reshape(rows, kv_heads, group * query_len, head_dim))
+    o = F.scaled_dot_product_attention(queries, keys.transpose(1, 2), values.transpose(1, 2),
+                                       attn_mask=mask, scale=scale)  # [D, KVH, G * Q, Dh]
+    return (o.view(rows, kv_heads, group, query_len, head_dim).permute(0, 3, 1, 2, 4)
+            .reshape(rows * query_len, heads, head_dim))
