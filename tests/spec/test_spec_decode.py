@@ -4,6 +4,7 @@ reports what it accepted."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.engine_run import run_staggered
 from tokenmill import SamplingParams
@@ -235,3 +236,20 @@ def test_eagle_with_gaps_in_the_features_keeps_greedy_output(llama_dir, eagle_he
     assert len(calls) > 20 and engine.stats.spec_draft_tokens > 0
     engine.check_integrity()
     assert engine.proposer.kv_manager.num_free_blocks == engine.proposer.kv_manager.num_blocks
+
+
+def test_draft_proposes_again_when_the_target_did_not_move(llama_dir):
+    """A request left out of a step keeps its tokens; proposing for it again must
+    rerun the draft from its last token, not find nothing to run."""
+    from tokenmill.engine.request import Request
+    from tokenmill.spec.draft import DraftModelProposer
+
+    proposer = DraftModelProposer(str(llama_dir), 384, torch.device("cpu"), torch.float32,
+                                  num_blocks=16, block_size=8)
+    request = Request("r", list(range(5, 25)), GREEDY, 0.0, 40)
+    first = proposer.propose([request], [4])[0].token_ids
+    assert proposer.propose([request], [4])[0].token_ids == first  # same tokens, same guess
+    request.append_token(first[0])
+    assert len(proposer.propose([request], [4])[0].token_ids) == 4
+    proposer.release("r")
+    assert proposer.kv.num_free_blocks == proposer.kv.num_blocks

@@ -82,7 +82,10 @@ class DraftModelProposer(Proposer):
         if shadow is not None:
             new = tokens[self.offsets[rid]:]
             old = shadow.all_token_ids
-            common = min(shadow.num_computed_tokens, len(new))
+            # At least the last token is recomputed: its output starts the draft (the
+            # target may not have moved since the last proposal, e.g. when the step
+            # had no room for this request).
+            common = min(shadow.num_computed_tokens, len(new) - 1)
             # Only the tail can differ (rejected drafts): scan back from the end.
             while common and old[common - 1] != new[common - 1]:
                 common -= 1
