@@ -283,3 +283,32 @@ def test_features_pause_while_speculation_is_off():
     assert not wanted[1] and wanted[-1]
     assert wanted.count(True) <= FEATURE_LEAD + 2
     assert controller.wants_features(1)  # another batch size speculates meanwhile
+
+
+def test_a_retry_must_win_clearly_to_turn_speculation_back_on():
+    """Once measured losing, a retry that measures 4% faster (above the 3% that keeps
+    speculation on, within 3 steps' noise) leaves it off; 10% faster turns it on."""
+
+    def after_retry(spec_cost: float) -> bool:
+        controller = SpecController(SpecConfig(speculative_method="eagle",
+                                               num_speculative_tokens=4, spec_probe_interval=8))
+        feed(controller, a=0.003, b=0.0001, draft_cost=0.0)
+        r = request("h")
+        for _ in range(10):
+            controller.record_verify(r, 4, 4)
+        for _ in range(20):
+            controller.record_step(0.0064, 2, speculated=True)  # 7% slower per token
+            controller.record_step(0.003, 1, speculated=False)
+        assert controller.speculation_losing()
+        retried = 0
+        for _ in range(400):
+            k = controller.plan([r], [10])[0]
+            retried += bool(k)
+            controller.record_step(spec_cost if k else 0.003, 2 if k else 1, speculated=bool(k))
+            if retried >= 3:
+                break
+        assert retried >= 3
+        return not controller.speculation_losing()
+
+    assert not after_retry(0.00576)  # 4% faster per token
+    assert after_retry(0.0054)  # 10% faster

@@ -27,8 +27,9 @@ interval while speculation wins by 20% or more), kept per batch-size class (1, 2
 When speculating does not measure at least 3% faster, nobody speculates (a near-tie
 is within the timing noise, and speculating costs more than its steps show); after
 a wait the guard retries: it forgets the speculative figure and speculates until it
-has a fresh one (3 steps). Each retry that still loses doubles the wait (up to 64
-intervals); one that wins resets it. The wait is also long enough that a retry
+has a fresh one (3 steps). A retry wins only at 6% faster (a small sample: a
+proposer near break-even must not win one by noise). Each retry that still loses
+doubles the wait (up to 64 intervals); one that wins resets it. The wait is also long enough that a retry
 costs at most ~1% of the steps it is spread over, by the loss last measured on
 each token a speculative step emits: a proposer whose steps cost 3x a plain one
 per token is retried far less often than one that lost by a few percent. Waits are
@@ -68,6 +69,11 @@ LONGEST_WAIT = 64
 # emitted token than plain ones: a near-tie is within the step-timing noise, and
 # speculating has costs the step timings do not show (planning, proposer state).
 GUARD_MARGIN = 0.03
+# After speculation was measured losing, a retry turns it back on only when it
+# measures this much faster: 3 steps are a small sample, and a proposer near
+# break-even would otherwise win a retry now and then by noise alone, then lose
+# for as long as its decayed figure takes to show it again.
+RETRY_MARGIN = 0.06
 # Where speculation measures at least this much faster per token, the plain steps
 # that keep the baseline fresh come REFRESH_STRETCH times less often: a stale
 # baseline can only make the guard more cautious (plain steps slow down as contexts
@@ -187,7 +193,8 @@ class Guard:
         plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
         if spec is None:
             return self.presumed_losing
-        return plain is not None and spec > plain * (1.0 - GUARD_MARGIN)
+        margin = RETRY_MARGIN if self.backing_off else GUARD_MARGIN
+        return plain is not None and spec > plain * (1.0 - margin)
 
     def retry_wait(self) -> int:
         """Steps between retries for which a retry (RETRY_STEPS speculative steps at
