@@ -88,8 +88,9 @@ def grouped_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
 
     The G = H / KVH query heads that share a KV head become that head's query rows,
     [D, KVH, G * Q, Dh] (ordered (g, r)): one product per KV head, instead of SDPA's
-    enable_gqa broadcast, which measured 1.2x slower at one query per request and
-    1.3-1.9x slower with speculative rows (`benchmarks/bench_decode_attention.py`).
+    enable_gqa broadcast, which measured 1.2-1.4x slower at one query per request
+    (8-32 requests) and up to 2.2x slower with speculative rows
+    (`benchmarks/bench_decode_attention.py`, docs/BENCHMARKS.md).
     """
     rows, _, kv_heads, head_dim = keys.shape
     heads = q.shape[1]
