@@ -29,17 +29,17 @@ is within the timing noise, and speculating costs more than its steps show); aft
 a wait the guard retries: it forgets the speculative figure and speculates until it
 has a fresh one (3 steps). A retry wins only at 6% faster (a small sample: a
 proposer near break-even must not win one by noise). Each retry that still loses
-doubles the wait (up to 64 intervals); one that wins resets it. The wait is also long enough that a retry
-costs at most ~1% of the steps it is spread over, by the loss last measured on
-each token a speculative step emits: a proposer whose steps cost 3x a plain one
-per token is retried far less often than one that lost by a few percent. Waits are
-counted in the class's own steps.
+doubles the wait (up to 64 intervals); one that wins resets it. The wait is also
+long enough that a retry costs at most ~1% of the steps it is spread over, by the
+loss last measured on each token a speculative step emits: a proposer whose steps
+cost 3x a plain one per token is retried far less often than one that lost by a
+few percent. Waits are counted in the class's own steps.
 
 Learning that speculation loses costs speculative steps, so a class learns from
 smaller ones: verifying drafts costs more, relative to a plain step, the more
 requests share the step, while what a draft is worth does not change; where the
-nearest smaller class measured speculation losing, a new class presumes the same
-and first tries after that class's wait. While speculation is off, a feature-level
+nearest smaller class has speculation off (measured losing, or presumed so itself),
+a new class presumes the same and first tries after that class's wait. While speculation is off, a feature-level
 proposer is not fed hidden states (see wants_features).
 """
 
@@ -172,8 +172,9 @@ class Guard:
         self.last_probe = 0
         self.interval = probe_interval
         self.backing_off = False
-        # Set when a smaller batch-size class measured speculation losing: this one
-        # starts off (waiting as long as that one does) without paying to learn it.
+        # Set when the nearest smaller batch-size class has speculation off: this one
+        # starts off (waiting as long as that one does) without paying to learn it;
+        # cleared by its first retry.
         self.presumed_losing = presumed_losing_wait is not None
         if presumed_losing_wait is not None:
             self.backing_off, self.interval = True, presumed_losing_wait
@@ -286,9 +287,9 @@ class SpecController:
         guard = self.guards.get(size_class)
         if guard is None:
             # Verification costs grow with the batch while a draft's worth does not:
-            # where the nearest smaller class measured speculation losing, so does
-            # this one, presumably; it starts off and first tries after that class's
-            # wait, instead of paying the proposer's start-up to learn it.
+            # where the nearest smaller class has speculation off, this one presumably
+            # loses too; it starts off and first tries after that class's wait,
+            # instead of paying the proposer's start-up to learn it.
             smaller = [c for c in self.guards if c < size_class]
             nearest = self.guards[max(smaller)] if smaller else None
             wait = nearest.interval if nearest is not None and nearest.losing else None
