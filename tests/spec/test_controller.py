@@ -312,24 +312,3 @@ def test_a_retry_must_win_clearly_to_turn_speculation_back_on():
 
     assert not after_retry(0.00576)  # 4% faster per token
     assert after_retry(0.0054)  # 10% faster
-
-
-def test_a_draft_that_keeps_going_right_earns_a_longer_k():
-    """Half the drafts miss at once, the others are right to the end (n-gram lookup
-    on a repeated passage): the first position's rate says whether to draft, the
-    later positions' rate how far. With later positions as unreliable as the first,
-    the same first-position rate earns a shorter k."""
-    assert expected_tokens(0.5, 4, continuation=1.0) == pytest.approx(3.0)
-    assert expected_tokens(0.5, 4, continuation=0.5) == pytest.approx(expected_tokens(0.5, 4))
-
-    def k_after(accepted_when_right: int) -> int:
-        controller = SpecController(SpecConfig(speculative_method="ngram",
-                                               num_speculative_tokens=7))
-        feed(controller, a=0.003, b=0.0002, draft_cost=0.0)
-        r = request("k")
-        for i in range(40):
-            controller.record_verify(r, 7, accepted_when_right if i % 2 else 0)
-        return controller.plan([r], [10])[0]
-
-    assert k_after(7) == 7
-    assert k_after(1) < k_after(7)

@@ -2,10 +2,7 @@
 guarded by a direct A/B of measured step throughput.
 
 With per-token acceptance α and k drafts, a verification step emits on average
-E(α, k) = (1 - α^(k+1)) / (1 - α) tokens (Leviathan et al. 2023). Drafts are not
-that memoryless (an n-gram match that was right once tends to stay right), so the
-controller uses the first position's acceptance α and the later positions' c
-(given the one before was accepted): E = 1 + α (1 - c^k) / (1 - c). It costs one
+E(α, k) = (1 - α^(k+1)) / (1 - α) tokens (Leviathan et al. 2023). It costs one
 request's share of a step, S, plus the verification of k more tokens (k b) and the
 proposer's time (its share of a fixed per-call cost p0, plus k p1). The controller
 picks the k in [0, K] with the best E / cost; k = 0 is plain decoding at 1 / S.
@@ -15,9 +12,9 @@ decode-step forward time against the rows the step computes (a + b rows, with
 S = (a + b B) / B at B decoding requests; rows are tokens as the CPU products pad
 them, e.g. 9-16 tokens alike) and of proposer time
 against the tokens it drafted (p0 + p1 tokens). α is an exponentially decayed count
-of accepted first draft positions per request, starting from an optimistic prior so
-that the first requests get to try (later ones start from the acceptance measured
-over all requests lately); c is counted over all requests; requests that stopped speculating are probed
+of accepted over verified draft positions per request, starting from an optimistic
+prior so that the first requests get to try (later ones start from the acceptance
+measured over all requests lately); requests that stopped speculating are probed
 with one token each, all on the same step, every probe_interval steps so that they
 can come back.
 
@@ -87,16 +84,11 @@ CLEAR_WIN, REFRESH_STRETCH = 0.2, 4
 FEATURE_LEAD = 8
 
 
-def expected_tokens(alpha: float, k: int, continuation: float | None = None) -> float:
-    """Expected tokens emitted by one verification of k drafts: the first accepted
-    with probability alpha, each later one (given the one before was) with
-    probability `continuation` (alpha when None: the geometric model)."""
-    c = alpha if continuation is None else continuation
-    if k == 0:
-        return 1.0
-    if c >= 1.0:
-        return 1.0 + alpha * k
-    return 1.0 + alpha * (1.0 - c ** k) / (1.0 - c)
+def expected_tokens(alpha: float, k: int) -> float:
+    """Expected tokens emitted by one verification of k drafts at acceptance alpha."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 @dataclass
@@ -250,10 +242,8 @@ class SpecController:
         self.adaptive = config.spec_adaptive
         self.probe_interval = config.spec_probe_interval
         self.states: dict[str, RequestSpecState] = {}
-        # First-position acceptance over all requests (slowly decayed): a new request's
-        # starting point; and the acceptance of later positions given the previous one.
+        # Acceptance over all requests (slowly decayed): a new request's starting point.
         self.overall = RequestSpecState(accepted=0.0, tried=0.0)
-        self.continuation = RequestSpecState()
         self.fit = StepCostFit()
         self.propose_fit = StepCostFit()
         # One guard per batch-size class (1, 2-3, 4-7, 8-15, ...): whether speculation
@@ -322,23 +312,13 @@ class SpecController:
         return guard.steps - guard.last_probe >= guard.interval - FEATURE_LEAD
 
     def record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        """Per request, the first draft position (accepted or not); over all requests,
-        also the later positions given the one before was accepted: a draft that
-        got one token right tends to get the next right too (n-gram lookup: 0.68 at
-        the first position, 0.82-0.97 after on pycoder), which one geometric rate
-        would underestimate."""
-        if num_drafted < 1:
-            return
         state = self.state(request)
-        first = 1.0 if num_accepted >= 1 else 0.0
-        state.accepted = DECAY * state.accepted + first
-        state.tried = DECAY * state.tried + 1.0
-        overall, later = self.overall, self.continuation
-        overall.accepted = OVERALL_DECAY * overall.accepted + first
-        overall.tried = OVERALL_DECAY * overall.tried + 1.0
-        later_tried = min(num_accepted + 1, num_drafted) - 1
-        later.accepted = OVERALL_DECAY * later.accepted + max(num_accepted - 1, 0)
-        later.tried = OVERALL_DECAY * later.tried + later_tried
+        tried = num_accepted + (1 if num_accepted < num_drafted else 0)
+        state.accepted = DECAY * state.accepted + num_accepted
+        state.tried = DECAY * state.tried + tried
+        overall = self.overall
+        overall.accepted = OVERALL_DECAY * overall.accepted + num_accepted
+        overall.tried = OVERALL_DECAY * overall.tried + tried
 
     # ---- the decision -----------------------------------------------------------------
     def plan(self, requests: list[Request], limits: list[int]) -> list[int]:
@@ -376,21 +356,20 @@ class SpecController:
         plan = []
         for request, limit in zip(requests, limits, strict=True):
             state = self.state(request)
-            k = self._best_k(state.alpha, self.continuation.alpha, share, fixed, extra,
-                             min(self.max_k, limit))
+            k = self._best_k(state.alpha, share, fixed, extra, min(self.max_k, limit))
             if k == 0 and limit > 0 and probing:
                 k = 1
             plan.append(k)
         return plan
 
     @staticmethod
-    def _best_k(alpha: float, continuation: float, share: float, fixed: float,
-                extra: list[float], max_k: int) -> int:
+    def _best_k(alpha: float, share: float, fixed: float, extra: list[float],
+                max_k: int) -> int:
         if share <= 0.0:
             return max_k
         best_k, best_rate = 0, 1.0 / share
         for k in range(1, max_k + 1):
-            rate = expected_tokens(alpha, k, continuation) / (share + fixed + extra[k])
+            rate = expected_tokens(alpha, k) / (share + fixed + extra[k])
             if rate > best_rate * 1.02:  # a 2% margin against measurement noise
                 best_k, best_rate = k, rate
         return best_k
