@@ -282,8 +282,12 @@ class SpecController:
         if num_emitted:
             self.guard(batch).record(seconds, num_emitted, speculated)
 
+    @staticmethod
+    def size_class(batch: int) -> int:
+        return 1 << (max(batch, 1).bit_length() - 1)
+
     def guard(self, batch: int) -> Guard:
-        size_class = 1 << (max(batch, 1).bit_length() - 1)
+        size_class = self.size_class(batch)
         guard = self.guards.get(size_class)
         if guard is None:
             # Verification costs grow with the batch while a draft's worth does not:
@@ -304,10 +308,8 @@ class SpecController:
         the proposer (EAGLE): not while the guard keeps speculation off there, which
         saves a copy per request per step; it resumes FEATURE_LEAD steps before the
         retry, and the head restarts on what it sees from then on."""
-        if not self.adaptive:
-            return True
-        guard = self.guard(batch)
-        if not (guard.losing and guard.backing_off):
+        guard = self.guards.get(self.size_class(batch))  # a lookup: plans create guards
+        if not self.adaptive or guard is None or not (guard.losing and guard.backing_off):
             return True
         return guard.steps - guard.last_probe >= guard.interval - FEATURE_LEAD
 

@@ -39,7 +39,7 @@ class DraftModelProposer(Proposer):
                 f"speculative_model: the draft's vocabulary ({loaded.arch.vocab_size}) differs "
                 f"from the target's ({target_vocab_size}); a draft must share the tokenizer")
         self.max_len = loaded.arch.max_position_embeddings
-        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.kv_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         self.runner = ModelRunner(loaded.model, loaded.arch, num_blocks, block_size,
                                   loaded.device, loaded.dtype, seed=seed)
         self.micro_batch = micro_batch
@@ -51,7 +51,7 @@ class DraftModelProposer(Proposer):
         shadow = self.shadows.pop(request_id, None)
         self.offsets.pop(request_id, None)
         if shadow is not None:
-            self.kv.free(shadow)
+            self.kv_manager.free(shadow)
         self.sampler.release(request_id)
 
     @torch.inference_mode()
@@ -90,7 +90,7 @@ class DraftModelProposer(Proposer):
             while common and old[common - 1] != new[common - 1]:
                 common -= 1
             if len(new) - common > MAX_CATCH_UP:
-                self.kv.free(shadow)
+                self.kv_manager.free(shadow)
                 shadow = None
         if shadow is None:
             offset = max(0, len(tokens) - MAX_CATCH_UP)
@@ -111,11 +111,11 @@ class DraftModelProposer(Proposer):
             scheduled = []
             for shadow, _ in active:
                 num_new = shadow.num_tokens - shadow.num_computed_tokens
-                if self.kv.allocate_slots(shadow, num_new):
+                if self.kv_manager.allocate_slots(shadow, num_new):
                     scheduled.append((shadow, num_new))
             if not scheduled:
                 break
-            tables = {s.request_id: self.kv.get_block_table(s.request_id) for s, _ in scheduled}
+            tables = {s.request_id: self.kv_manager.get_block_table(s.request_id) for s, _ in scheduled}
             ordered, ids, positions, metadata = self.runner.prepare(scheduled, tables)
             hidden = self.runner.model(ids, positions, self.runner.kv_caches, metadata,
                                        self.runner.backend)
