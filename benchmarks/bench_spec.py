@@ -42,7 +42,7 @@ import torch
 from tokenmill.bench.driver import run_engine_workload, warm_up
 from tokenmill.bench.workload import WorkloadRequest
 from tokenmill.engine.engine import LLMEngine
-from tokenmill.spec.factory import default_speculative_model
+from tokenmill.speculative.factory import default_speculative_model
 from tokenmill.train.corpus import held_out_texts
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,8 +26,8 @@ from tokenmill.model.loader import load_model
 from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.controller import SpecController
-from tokenmill.spec.factory import build_proposer
+from tokenmill.speculative.controller import SpecController
+from tokenmill.speculative.factory import build_proposer
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from tokenmill.kv.quant import storage_dtype
 from tokenmill.layers.sampler import build_sampling_batch, sample, token_logprobs
 from tokenmill.model.arch import ArchConfig
 from tokenmill.outputs import TokenLogprob
-from tokenmill.spec.verify import processed_probs, verify_greedy, verify_sampled
+from tokenmill.speculative.verify import processed_probs, verify_greedy, verify_sampled
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Training an EAGLE-1 draft head (`tokenmill.spec.eagle`) for a trained target model.
+"""Training an EAGLE-1 draft head (`tokenmill.speculative.eagle`) for a trained target model.
 
 Data: the models' own corpus, split and packing (`corpus.py`, `packing.py`). Per
 step, a batch of windows [B, T] goes through the target (transformers, no grad) for
@@ -39,8 +39,8 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from tokenmill.engine.request import Request
 from tokenmill.model.loader import load_model, read_config
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.base import Proposer
-from tokenmill.spec.eagle import (
+from tokenmill.speculative.base import Proposer
+from tokenmill.speculative.eagle import (
     WEIGHTS_FILE,
     EagleHead,
     EagleProposer,

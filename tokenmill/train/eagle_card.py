@@ -29,14 +29,14 @@ def render_eagle_card(log: dict, weights_bytes: int) -> str:
         f"# EAGLE-1 draft head for {target['name']}",
         "",
         f"A {log['num_parameters'] / 1e6:.2f}M-parameter draft head for speculative decoding "
-        f"with `{target['name']}` in tokenmill (`tokenmill.spec.eagle`): FC(2h -> h) over "
+        f"with `{target['name']}` in tokenmill (`tokenmill.speculative.eagle`): FC(2h -> h) over "
         "[target feature f_t ; embedding of x_{t+1}], then one Llama decoder layer, "
         "predicting the target's next feature f_{t+1}; the target's own embedding and LM "
         "head are shared and not stored here. Trained for the target weights with SHA-256 "
         f"`{target['weights_sha256'][:16]}...`.",
         "",
         "```python",
-        "from tokenmill.spec.eagle import EagleProposer, load_eagle_head",
+        "from tokenmill.speculative.eagle import EagleProposer, load_eagle_head",
         "proposer = EagleProposer(load_eagle_head(head_dir, target_model), target_model, num_blocks)",
         "```",
         "",

@@ -7,7 +7,7 @@ import pytest
 from tokenmill.config import SpecConfig
 from tokenmill.engine.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.controller import LONGEST_WAIT, SpecController, StepCostFit, expected_tokens
+from tokenmill.speculative.controller import LONGEST_WAIT, SpecController, StepCostFit, expected_tokens
 
 
 def request(name: str) -> Request:
@@ -261,7 +261,7 @@ def test_a_loss_at_a_smaller_batch_carries_over_to_larger_ones():
 def test_features_pause_while_speculation_is_off():
     """A feature-level proposer is fed hidden states while speculation may run, not
     while the guard keeps it off, and again a few steps before the retry."""
-    from tokenmill.spec.controller import FEATURE_LEAD
+    from tokenmill.speculative.controller import FEATURE_LEAD
 
     controller = SpecController(SpecConfig(speculative_method="eagle", num_speculative_tokens=4,
                                            spec_probe_interval=8))

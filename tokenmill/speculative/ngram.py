@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from tokenmill.engine.request import Request
-from tokenmill.spec.base import Proposal, Proposer
+from tokenmill.speculative.base import Proposal, Proposer
 
 
 def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:

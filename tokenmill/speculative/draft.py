@@ -21,8 +21,8 @@ from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.request import Request
 from tokenmill.model.loader import load_model
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.spec.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
-from tokenmill.spec.verify import processed_probs
+from tokenmill.speculative.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
+from tokenmill.speculative.verify import processed_probs
 
 logger = logging.getLogger(__name__)
 

@@ -177,7 +177,7 @@ def test_eagle_restarting_on_recent_positions_keeps_greedy_output(llama_dir, eag
                                                                  reference, monkeypatch):
     """After a long backlog (here: any prompt over 8 tokens) the EAGLE head restarts on
     the latest positions; drafts change, the verified output does not."""
-    from tokenmill.spec import eagle
+    from tokenmill.speculative import eagle
 
     monkeypatch.setattr(eagle, "MAX_CATCH_UP", 8)
     rebased = []
@@ -194,7 +194,7 @@ def test_draft_restarting_on_recent_tokens_keeps_greedy_output(llama_dir, refere
                                                                monkeypatch):
     """A draft model's shadow starts (and, after a long gap, restarts) on the latest
     MAX_CATCH_UP tokens: its drafts change, the verified output does not."""
-    from tokenmill.spec import draft
+    from tokenmill.speculative import draft
 
     monkeypatch.setattr(draft, "MAX_CATCH_UP", 8)
     offsets = []
@@ -217,7 +217,7 @@ def test_eagle_with_gaps_in_the_features_keeps_greedy_output(llama_dir, eagle_he
                                                               reference, monkeypatch):
     """While the guard keeps speculation off the head is not fed hidden states; when
     they come back after a gap it restarts on them. Drafts change, output does not."""
-    from tokenmill.spec.controller import SpecController
+    from tokenmill.speculative.controller import SpecController
 
     calls = []
 
@@ -236,7 +236,7 @@ def test_draft_proposes_again_when_the_target_did_not_move(llama_dir):
     """A request left out of a step keeps its tokens; proposing for it again must
     rerun the draft from its last token, not find nothing to run."""
     from tokenmill.engine.request import Request
-    from tokenmill.spec.draft import DraftModelProposer
+    from tokenmill.speculative.draft import DraftModelProposer
 
     proposer = DraftModelProposer(str(llama_dir), 384, torch.device("cpu"), torch.float32,
                                   num_blocks=16, block_size=8)

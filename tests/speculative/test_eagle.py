@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from tokenmill.engine.request import Request
 from tokenmill.model.loader import load_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.eagle import (
+from tokenmill.speculative.eagle import (
     EagleHead,
     EagleProposer,
     load_eagle_head,

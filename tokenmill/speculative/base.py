@@ -1,7 +1,7 @@
 """The proposer interface every speculative method implements.
 
 A proposer guesses the next few tokens of running requests; the target model then
-checks all guesses of all requests in one forward pass (`tokenmill.spec.verify`).
+checks all guesses of all requests in one forward pass (`tokenmill.speculative.verify`).
 Proposers own whatever state they need (a draft model's paged KV, an EAGLE head's
 features) and must tolerate rollback: after verification a request's tokens may
 end earlier than what the proposer last saw, and the proposer has to notice that
@@ -29,7 +29,7 @@ class Proposal:
     token_ids: list[int]
     # [len(token_ids), vocab] float32: the draft distribution q each token was drawn
     # from, after the request's own temperature / min-p / top-k / top-p processing
-    # (`tokenmill.spec.verify.processed_probs`). None when the proposal is
+    # (`tokenmill.speculative.verify.processed_probs`). None when the proposal is
     # deterministic (n-gram lookup, or greedy requests): q is then one-hot.
     probs: torch.Tensor | None = None
 

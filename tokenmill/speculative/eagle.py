@@ -47,8 +47,8 @@ from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
 from tokenmill.runner.model_runner import ModelRunner
-from tokenmill.spec.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
-from tokenmill.spec.verify import processed_probs
+from tokenmill.speculative.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
+from tokenmill.speculative.verify import processed_probs
 
 FORMAT = "tokenmill-eagle-1"
 CONFIG_FILE = "config.json"
@@ -307,7 +307,7 @@ class EagleProposer(Proposer):
     def load(cls, head_dir: str | Path, target: LlamaForCausalLM, arch: ArchConfig,
              device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int = 16,
              micro_batch: int | None = None, seed: int = 0) -> EagleProposer:
-        """The proposer for the head saved in head_dir, as `tokenmill.spec.factory` builds
+        """The proposer for the head saved in head_dir, as `tokenmill.speculative.factory` builds
         it. arch, device and dtype are the target's: the head takes them from target."""
         del arch, device, dtype  # the head is checked against, and placed like, target
         return cls(load_eagle_head(head_dir, target), target, num_blocks, block_size,

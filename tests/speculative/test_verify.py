@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.spec.verify import processed_probs, verify_greedy, verify_sampled
+from tokenmill.speculative.verify import processed_probs, verify_greedy, verify_sampled
 
 P = torch.tensor([[0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.02, 0.01],
                   [0.05, 0.05, 0.10, 0.10, 0.20, 0.20, 0.15, 0.15]])

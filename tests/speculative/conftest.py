@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from tokenmill.model.loader import load_model
-from tokenmill.spec.eagle import EagleHead, head_arch, save_eagle_head
+from tokenmill.speculative.eagle import EagleHead, head_arch, save_eagle_head
 
 # Large enough that the random head's logits are far from ties.
 TEST_INIT_STD = 0.2

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenmill.spec.ngram import ngram_lookup
+from tokenmill.speculative.ngram import ngram_lookup
 
 
 def lookup(tokens, max_n=4, min_n=2, k=3):

@@ -7,7 +7,7 @@ from pathlib import Path
 from tokenmill.config import EngineConfig
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import LoadedModel
-from tokenmill.spec.base import Proposer
+from tokenmill.speculative.base import Proposer
 
 
 def default_speculative_model(config: EngineConfig) -> Path:
@@ -25,7 +25,7 @@ def build_proposer(config: EngineConfig, arch: ArchConfig, target: LoadedModel,
     if method is None:
         return None
     if method == "ngram":
-        from tokenmill.spec.ngram import NgramProposer
+        from tokenmill.speculative.ngram import NgramProposer
         return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
     path = Path(spec.speculative_model) if spec.speculative_model else (
         default_speculative_model(config))
@@ -33,11 +33,11 @@ def build_proposer(config: EngineConfig, arch: ArchConfig, target: LoadedModel,
         raise ValueError(f"speculative_model: {str(path)!r} is not a {method} model directory "
                          "(no config.json); pass --speculative-model")
     if method == "draft":
-        from tokenmill.spec.draft import DraftModelProposer
+        from tokenmill.speculative.draft import DraftModelProposer
         return DraftModelProposer(str(path), arch.vocab_size, target.device, target.dtype,
                                   num_blocks, config.cache.block_size, spec.draft_micro_batch,
                                   seed=config.model.seed, progress=progress)
-    from tokenmill.spec.eagle import EagleProposer
+    from tokenmill.speculative.eagle import EagleProposer
     return EagleProposer.load(str(path), target.model, arch, target.device, target.dtype,
                               num_blocks, config.cache.block_size, spec.draft_micro_batch,
                               seed=config.model.seed)
