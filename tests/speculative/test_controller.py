@@ -7,7 +7,12 @@ import pytest
 from tokenmill.config import SpecConfig
 from tokenmill.engine.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculative.controller import LONGEST_WAIT, SpecController, StepCostFit, expected_tokens
+from tokenmill.speculative.controller import (
+    LONGEST_WAIT,
+    SpecController,
+    StepCostFit,
+    expected_tokens,
+)
 
 
 def request(name: str) -> Request:
