@@ -32,7 +32,7 @@ import argparse
 import random
 from dataclasses import dataclass, field
 
-from tokenmill.engine.kv_manager import KVCacheManager
+from tokenmill.core.kv_manager import KVCacheManager
 
 MIB, GIB = 1024**2, 1024**3
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from transformers import AutoTokenizer
 
+from tokenmill.core.request import Request
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.request import Request
+from tokenmill.core.kv_manager import KVCacheManager
+from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 
 

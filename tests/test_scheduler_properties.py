@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import Scheduler
+from tokenmill.core.kv_manager import KVCacheManager
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 
 

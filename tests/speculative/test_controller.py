@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.config import SpecConfig
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.controller import (
     LONGEST_WAIT,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 from tokenmill.model.loader import load_model
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.eagle import (

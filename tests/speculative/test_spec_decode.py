@@ -235,7 +235,7 @@ def test_eagle_with_gaps_in_the_features_keeps_greedy_output(llama_dir, eagle_he
 def test_draft_proposes_again_when_the_target_did_not_move(llama_dir):
     """A request left out of a step keeps its tokens; proposing for it again must
     rerun the draft from its last token, not find nothing to run."""
-    from tokenmill.engine.request import Request
+    from tokenmill.core.request import Request
     from tokenmill.speculative.draft import DraftModelProposer
 
     proposer = DraftModelProposer(str(llama_dir), 384, torch.device("cpu"), torch.float32,

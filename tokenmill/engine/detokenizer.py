@@ -12,7 +12,7 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 
 # Prompt tokens given to a new stream as context (some decoders drop a leading space
 # on the first token they see).

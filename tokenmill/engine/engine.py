@@ -16,11 +16,11 @@ import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_manager import KVCacheManager
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
-from tokenmill.engine.kv_manager import KVCacheManager
 from tokenmill.engine.memory import plan_kv_blocks
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import Scheduler
 from tokenmill.layers import cpu_blas
 from tokenmill.model.loader import load_model
 from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprob

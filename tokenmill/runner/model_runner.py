@@ -14,8 +14,8 @@ import torch
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata, PrefillChunk
 from tokenmill.attention.paged import PagedAttention
-from tokenmill.engine.request import Request
-from tokenmill.engine.scheduler import SchedulerOutput
+from tokenmill.core.request import Request
+from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.kv import KVCache
 from tokenmill.kv.quant import storage_dtype
 from tokenmill.layers.sampler import build_sampling_batch, sample, token_logprobs

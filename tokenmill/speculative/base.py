@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 
 # Most verified positions one catch-up runs for a request: after a longer gap (a new
 # prompt, or a stretch without speculation) a stateful proposer restarts on the

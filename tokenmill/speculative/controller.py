@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.config import SpecConfig
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 
 # Prior acceptance: 1.2 accepted of 2 tried (α = 0.6), and how fast evidence fades
 # (per request, and over all requests).

@@ -17,8 +17,8 @@ import logging
 
 import torch
 
-from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.request import Request
+from tokenmill.core.kv_manager import KVCacheManager
+from tokenmill.core.request import Request
 from tokenmill.model.loader import load_model
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.speculative.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer

@@ -38,8 +38,8 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
-from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.request import Request
+from tokenmill.core.kv_manager import KVCacheManager
+from tokenmill.core.request import Request
 from tokenmill.kv import KVCache
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm

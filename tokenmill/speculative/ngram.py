@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 from tokenmill.speculative.base import Proposal, Proposer
 
 

@@ -36,7 +36,7 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 from tokenmill.model.loader import load_model, read_config
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.base import Proposer

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.config import SchedulerConfig
-from tokenmill.engine.kv_manager import KVCacheManager
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.core.kv_manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
 
 logger = logging.getLogger(__name__)
 

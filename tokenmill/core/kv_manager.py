@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenmill.engine.request import Request
+from tokenmill.core.request import Request
 
 logger = logging.getLogger(__name__)
 
