@@ -1,6 +1,6 @@
-"""CPU matrix products through oneDNN (packed weights) and NumPy's BLAS: same results as
-torch, padding, memory (one copy of each weight), and the engine's use of the paths
-(and of torch's threads) during a step."""
+"""CPU matrix products through oneDNN (packed weights) and NumPy's BLAS as linear methods:
+same results as torch, padding, memory (one copy of each weight), and the engine's use
+of the paths (and of torch's threads) during a step."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import torch
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.layers import cpu_blas
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import Linear, linear_weight_bytes
+from tokenmill.layers.products import product_policy
 
 KINDS = [pytest.param("onednn", marks=pytest.mark.skipif(
     not cpu_blas.onednn_available(), reason="torch built without oneDNN")), "numpy"]
@@ -26,45 +27,61 @@ def test_onednn_rows_take_a_bounded_set_of_sizes():
     assert len({cpu_blas.onednn_rows(n) for n in range(1, 2049)}) <= 45
 
 
+def method_layer(reference: Linear, kind: str) -> Linear:
+    """A copy of `reference` on the method the `kind` products pick for its shape."""
+    policy = product_policy(kind, torch.device("cpu"), torch.float32)
+    layer = Linear(reference.in_features, reference.out_features,
+                   bias=reference.bias is not None)
+    layer.keep_weight = reference.keep_weight
+    layer.set_method(policy.select("layer", layer))
+    layer.load("weight", reference.weight.detach())
+    if reference.bias is not None:
+        layer.load("bias", reference.bias.detach())
+    layer.method.finalize(layer)
+    return layer
+
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("shape", [(48, 80), (80, 48)])  # wide (stored transposed) and tall
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9, 12, 40, 70, 600])
-def test_linear_through_cpu_products_equals_torch(rows, transposed, kind):
+def test_linear_through_cpu_products_equals_torch(rows, shape, kind):
     torch.manual_seed(rows)
-    layer = Linear(48, 80, bias=True, transposed=transposed)
-    torch.nn.init.normal_(layer.weight)
-    torch.nn.init.normal_(layer.bias)
-    x = torch.randn(rows, 48)
+    reference = Linear(*shape, bias=True)
+    torch.nn.init.normal_(reference.weight)
+    torch.nn.init.normal_(reference.bias)
+    x = torch.randn(rows, shape[0])
     with torch.no_grad():
-        expected = layer(x)
-        cpu_blas.attach(layer, kind)
+        expected = reference(x)
+        layer = method_layer(reference, kind)
         got = layer(x)
-        got_3d = layer(x.view(1, rows, 48))
-    assert got.shape == (rows, 80) and got_3d.shape == (1, rows, 80)
+        got_3d = layer(x.view(1, rows, shape[0]))
+    assert got.shape == (rows, shape[1]) and got_3d.shape == (1, rows, shape[1])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_3d[0], got)
 
 
 @pytest.mark.skipif(not cpu_blas.onednn_available(), reason="torch built without oneDNN")
 def test_onednn_keeps_one_copy_of_each_weight_unless_it_is_read_elsewhere():
-    layer, tied = Linear(16, 32), Linear(16, 32)
-    tied.keep_weight = True
-    for module in (layer, tied):
+    plain, tied_plain = Linear(16, 32), Linear(16, 32)
+    tied_plain.keep_weight = True
+    for module in (plain, tied_plain):
         torch.nn.init.normal_(module.weight)
     x = torch.randn(3, 16)
-    expected = x @ layer.weight.detach().t()
-    cpu_blas.attach(layer, "onednn")
-    cpu_blas.attach(tied, "onednn")
-    cpu_blas.attach(layer, "onednn")  # attaching again (a shared module) changes nothing
+    layer, tied = method_layer(plain, "onednn"), method_layer(tied_plain, "onednn")
     assert layer.weight.numel() == 0 and tied.weight.shape == (32, 16)
-    # Without the plain weight the packed product serves even with autograd on.
-    torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+    packed_bytes = layer.packed_weight.numel() * layer.packed_weight.element_size()
+    assert linear_weight_bytes(layer) == packed_bytes
+    assert linear_weight_bytes(tied) == packed_bytes + 32 * 16 * 4  # the tied copy counted
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), plain(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(tied.embedding(torch.tensor([3, 1])),
+                               tied_plain.weight.detach()[[3, 1]])
 
 
-def test_autograd_keeps_the_torch_path():
+def test_layers_built_outside_the_loader_are_plain_and_train():
     layer = Linear(8, 4)
     torch.nn.init.normal_(layer.weight)
-    cpu_blas.attach(layer, "numpy")
+    assert layer.method.name == "plain"
     x = torch.randn(3, 8, requires_grad=True)
     layer(x).sum().backward()
     torch.testing.assert_close(x.grad, layer.weight.sum(0).expand(3, 8))

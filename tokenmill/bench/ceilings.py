@@ -2,7 +2,7 @@
 matmul rate. Every benchmark reports its figures as a fraction of these.
 
 Each is the best of what torch (MKL), NumPy (OpenBLAS) and oneDNN on a packed weight
-(the engine's CPU path, tokenmill.layers.cpu_blas) reach on the machine: on this
+(the engine's CPU linear method, tokenmill.layers.products) reach on the machine: on this
 project's AMD hosts OpenBLAS streams a matrix-vector product faster than torch sums a
 buffer, and oneDNN multiplies with AVX-512 where MKL and OpenBLAS do not; a ceiling
 below what code demonstrably reaches would flatter every fraction."""
@@ -21,7 +21,8 @@ import numpy as np
 import torch
 from threadpoolctl import threadpool_limits
 
-from tokenmill.layers import cpu_blas
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.products import product_policy
 
 CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
 
@@ -53,6 +54,20 @@ def _median_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def packed_product(weight: torch.Tensor) -> Linear | None:
+    """A Linear computing x @ weight.T through the engine's oneDNN method (the weight
+    packed once, the plain copy released), or None where torch lacks oneDNN."""
+    try:
+        policy = product_policy("onednn", torch.device("cpu"), torch.float32)
+    except ValueError:
+        return None
+    layer = Linear(weight.shape[1], weight.shape[0])
+    layer.set_method(policy.select("", layer))
+    layer.weight.data = weight
+    layer.method.finalize(layer)
+    return layer
+
+
 def measure_bandwidth(threads: int, size_mb: int = 512) -> float:
     """GB/s streaming a buffer far larger than the caches: the best of a torch
     reduction, an OpenBLAS matrix-vector product and a one-row oneDNN product on a
@@ -64,11 +79,12 @@ def measure_bandwidth(threads: int, size_mb: int = 512) -> float:
     vector = np.ones(4096, dtype=np.float32)
     with threadpool_limits(limits=threads, user_api="blas"):
         times.append(_median_time(lambda: matrix @ vector, 7))
-    if cpu_blas.onednn_available():
-        packed = cpu_blas.onednn_weight(data.view(-1, 4096), transposed=False)
+    packed = packed_product(data.view(-1, 4096))
+    if packed is not None:
         del matrix, data
         row = torch.ones(1, 4096)
-        times.append(_median_time(lambda: cpu_blas.onednn_linear(row, packed), 7))
+        with torch.inference_mode():
+            times.append(_median_time(lambda: packed(row), 7))
     return size_mb * 2**20 / min(times) / 1e9
 
 
@@ -81,9 +97,10 @@ def measure_matmul(threads: int, n: int = 2048) -> tuple[float, float]:
     an, bn = a.numpy(), b.numpy()
     with threadpool_limits(limits=threads, user_api="blas"):
         times.append(_median_time(lambda: an @ bn, 5))
-    if cpu_blas.onednn_available():
-        packed = cpu_blas.onednn_weight(b, transposed=False)
-        times.append(_median_time(lambda: cpu_blas.onednn_linear(a, packed), 5))
+    packed = packed_product(b.t().contiguous())  # computes a @ b
+    if packed is not None:
+        with torch.inference_mode():
+            times.append(_median_time(lambda: packed(a), 5))
     return 2 * n**3 / min(times) / 1e9, 2 * n**3 / times[0] / 1e9
 
 

@@ -21,8 +21,8 @@ from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.memory import plan_kv_blocks
-from tokenmill.layers import cpu_blas
-from tokenmill.model.loader import load_model
+from tokenmill.layers.products import product_policy
+from tokenmill.model.loader import load_model, resolve_device, resolve_dtype
 from tokenmill.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling_params import SamplingParams
@@ -93,8 +93,11 @@ class LLMEngine:
         if mcfg.num_threads is not None:
             torch.set_num_threads(mcfg.num_threads)
         torch.manual_seed(mcfg.seed)
+        device = resolve_device(mcfg.device)
+        self.products = product_policy(mcfg.cpu_blas, device, resolve_dtype(mcfg.dtype, device))
+        self.products.configure_threads(mcfg.num_threads or torch.get_num_threads())
         loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
-                            progress=progress)
+                            progress=progress, select_linear=self.products.selector)
         arch = loaded.arch
         max_model_len = mcfg.max_model_len or arch.max_position_embeddings
         if arch.sliding_window is not None and arch.sliding_window < max_model_len:
@@ -123,22 +126,11 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, arch, plan.num_blocks, config.cache.block_size,
                                   loaded.device, loaded.dtype, seed=mcfg.seed,
                                   kv_cache_dtype=config.cache.kv_cache_dtype)
-        self.proposer = build_proposer(config, arch, loaded, plan.num_blocks, progress)
-        # 'onednn', 'numpy' or None (torch's own products).
-        self.cpu_products = cpu_blas.resolve(mcfg.cpu_blas, loaded.device, loaded.dtype)
-        self.numpy_blas = self.cpu_products == "numpy"
-        if self.cpu_products:
-            if self.numpy_blas:
-                cpu_blas.set_blas_threads(mcfg.num_threads or torch.get_num_threads())
-            cpu_blas.attach(loaded.model, self.cpu_products)
-            proposer_runner = getattr(self.proposer, "runner", None)
-            if proposer_runner is not None:
-                cpu_blas.attach(proposer_runner.model, self.cpu_products)
+        self.proposer = build_proposer(config, arch, loaded, plan.num_blocks, progress,
+                                       self.products.selector)
         # Verification rows cost as the products pad them (see SpecController).
-        padded_rows = {"numpy": cpu_blas.padded_rows, "onednn": cpu_blas.onednn_rows}
-        padding = ({"padded_rows": padded_rows[self.cpu_products]}
-                   if self.cpu_products else {})
-        self.spec_controller = SpecController(config.spec, **padding) if self.proposer else None
+        self.spec_controller = (SpecController(config.spec, self.products.padded_rows)
+                                if self.proposer else None)
         self.runner.keep_hidden = bool(self.proposer and self.proposer.needs_hidden_states)
         self.groups: dict[str, RequestGroup] = {}
         self._requests: dict[str, tuple[RequestGroup, int]] = {}
@@ -225,9 +217,7 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        if not self.numpy_blas:
-            return self._step()
-        with cpu_blas.single_torch_thread():
+        with self.products.step_context():
             return self._step()
 
     def _step(self) -> list[RequestOutput]:

@@ -1,7 +1,7 @@
 """Matrix products on the CPU: oneDNN on pre-packed weights, or NumPy's OpenBLAS.
 
 `auto` (float32 on the CPU) picks oneDNN where torch is built with it. Its inner-product
-kernels run on weights reordered once, at attach time, into the blocked layout they
+kernels run on weights reordered once, when the model loads, into the blocked layout they
 read (`torch.ops.mkldnn._reorder_linear_weight`): a call neither packs nor copies the
 weight, so a few-row product streams it at the memory's pace and a many-row one runs
 with the widest vector units the CPU has (AVX-512 where present). Measured on a
@@ -9,8 +9,8 @@ decoder-shaped pass of the 0.5B model's weights with 2 threads, against OpenBLAS
 1.0-1.5x at one row (both bandwidth-bound), 1.7-2.3x at 2-1024 rows
 (`benchmarks/bench_cpu_blas.py`, docs/BENCHMARKS.md). It runs on torch's own thread
 pool, so nothing competes with torch's other work. The packed copy replaces the
-plain weight (Linear frees it) unless the plain one is read elsewhere: a tied LM
-head's weight is also the embedding table. Row counts are padded to a bounded set
+plain weight (the method frees it) unless the plain one is read elsewhere: a tied
+LM head's weight is also the embedding table. Row counts are padded to a bounded set
 of sizes (`onednn_rows`).
 
 NumPy's OpenBLAS (`numpy`) is the fallback where oneDNN is missing. PyTorch's CPU
@@ -41,10 +41,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from torch import nn
+
+from tokenmill.layers.linear_method import LinearMethod, PlainLinearMethod, TransposedLinearMethod
+
+if TYPE_CHECKING:
+    from tokenmill.layers.linear import Linear
 
 PAD_TO = 8
 PAD_BELOW = 64
@@ -135,34 +140,6 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
     return out[:n].reshape(*x.shape[:-1], out.shape[-1])
 
 
-def resolve(setting: str, device: torch.device, dtype: torch.dtype) -> str | None:
-    """Who multiplies for the `cpu_blas` setting (auto / onednn / numpy / torch):
-    'onednn', 'numpy', or None for torch's own products."""
-    eligible = device.type == "cpu" and dtype == torch.float32
-    if setting in ("onednn", "numpy") and not eligible:
-        raise ValueError(f"cpu_blas: {setting!r} needs a float32 model on the CPU, not "
-                         f"{dtype} on {device.type}")
-    if setting == "onednn" and not onednn_available():
-        raise ValueError("cpu_blas: 'onednn' needs a torch build with oneDNN (mkldnn)")
-    if not eligible or setting == "torch":
-        return None
-    if setting == "auto":
-        return "onednn" if onednn_available() else "numpy"
-    return setting
-
-
-def attach(model: nn.Module, kind: str) -> None:
-    """Route the products of every module in `model` that can take them (those with a
-    `use_cpu_products` method: Linear, the MoE experts) through `kind` ('onednn' or
-    'numpy'); inference only."""
-    if kind not in ("onednn", "numpy"):
-        raise ValueError(f"cpu_blas: no CPU product path {kind!r}")
-    for module in model.modules():
-        use = getattr(module, "use_cpu_products", None)
-        if use is not None:
-            use(kind)
-
-
 def set_blas_threads(threads: int) -> None:
     """Threads for NumPy's BLAS, process-wide."""
     from threadpoolctl import ThreadpoolController
@@ -180,3 +157,61 @@ def single_torch_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+class OneDNNLinearMethod(PlainLinearMethod):
+    """Loads into the checkpoint layout, then packs once for oneDNN (inference only)."""
+
+    name = "onednn"
+
+    def finalize(self, layer: Linear) -> None:
+        layer.packed_weight = onednn_weight(layer.weight, transposed=False)
+        if not layer.keep_weight:
+            # One copy of the weight from here on: the packed one.
+            layer.weight.data = layer.weight.data.new_empty(0)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return onednn_linear(x, layer.packed_weight, layer.bias)
+
+    def checkpoint_weight(self, layer: Linear) -> torch.Tensor:
+        raise ValueError("a oneDNN-packed layer keeps no checkpoint-layout weight")
+
+    def weight_bytes(self, layer: Linear) -> int:
+        packed = layer.packed_weight
+        return super().weight_bytes(layer) + packed.numel() * packed.element_size()
+
+
+class NumpyLinearMethod(LinearMethod):
+    """NumPy's BLAS on a zero-copy [in, out] view of the torch weight (inference only).
+
+    The weight keeps the torch layout its shape streams fastest in (transposed: wide
+    layers, see TransposedLinearMethod); NumPy reads it either way without a copy."""
+
+    def __init__(self, transposed: bool) -> None:
+        self.layout = TransposedLinearMethod() if transposed else PlainLinearMethod()
+        self.transposed = transposed
+        self.name = "numpy-transposed" if transposed else "numpy"
+
+    def create_weights(self, layer: Linear) -> None:
+        self.layout.create_weights(layer)
+
+    def load_weight(self, layer: Linear, tensor: torch.Tensor, rows: slice) -> None:
+        self.layout.load_weight(layer, tensor, rows)
+
+    def finalize(self, layer: Linear) -> None:
+        layer.blas_weight = numpy_weight(layer.weight, self.transposed)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        out = matmul(x, layer.blas_weight)
+        return out + layer.bias if layer.bias is not None else out
+
+    def embedding(self, layer: Linear, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.layout.embedding(layer, token_ids)
+
+    def checkpoint_weight(self, layer: Linear) -> torch.Tensor:
+        return self.layout.checkpoint_weight(layer)
+
+
+ONEDNN = OneDNNLinearMethod()
+NUMPY = NumpyLinearMethod(transposed=False)
+NUMPY_TRANSPOSED = NumpyLinearMethod(transposed=True)

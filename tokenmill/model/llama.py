@@ -16,7 +16,7 @@ from torch import nn
 
 from tokenmill.attention.base import AttentionBackend, AttentionMetadata
 from tokenmill.kv import KVCache
-from tokenmill.layers.linear import Linear, wide
+from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.model.arch import ArchConfig
@@ -32,17 +32,15 @@ STACKED_PARAMS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig, transpose_wide: bool) -> None:
+    def __init__(self, arch: ArchConfig) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_out = self.q_size + 2 * self.kv_size
-        self.qkv_proj = Linear(arch.hidden_size, qkv_out, arch.qkv_bias,
-                               wide(arch.hidden_size, qkv_out, transpose_wide))
-        self.o_proj = Linear(self.q_size, arch.hidden_size, arch.o_proj_bias,
-                             wide(self.q_size, arch.hidden_size, transpose_wide))
+        self.qkv_proj = Linear(arch.hidden_size, qkv_out, arch.qkv_bias)
+        self.o_proj = Linear(self.q_size, arch.hidden_size, arch.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -70,14 +68,11 @@ class Attention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool,
-                 transpose_wide: bool) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias,
-                                   wide(hidden_size, 2 * intermediate_size, transpose_wide))
-        self.down_proj = Linear(intermediate_size, hidden_size, bias,
-                                wide(intermediate_size, hidden_size, transpose_wide))
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias)
 
     def shard_slice(self, shard: str) -> slice:
         size = self.intermediate_size
@@ -93,9 +88,9 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, transpose_wide: bool, mlp: nn.Module) -> None:
+    def __init__(self, arch: ArchConfig, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, transpose_wide)
+        self.self_attn = Attention(arch)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
@@ -109,41 +104,37 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ArchConfig, max_positions: int, transpose_wide: bool,
+    def __init__(self, arch: ArchConfig, max_positions: int,
                  build_mlp: Callable[[], nn.Module]) -> None:
         super().__init__()
         # A tied embedding lives in the LM head (see LlamaForCausalLM.embed).
         self.embed_tokens = (None if arch.tie_word_embeddings
                              else nn.Embedding(arch.vocab_size, arch.hidden_size))
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
-        self.layers = nn.ModuleList(DecoderLayer(arch, transpose_wide, build_mlp())
+        self.layers = nn.ModuleList(DecoderLayer(arch, build_mlp())
                                     for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Llama, Mistral, Qwen2 and Qwen3 checkpoints.
+    """Llama, Mistral, Qwen2 and Qwen3 checkpoints."""
 
-    transpose_wide: store wide projections [in, out] (faster one-row products on CPU,
-    see layers/linear.py); numerics are unchanged.
-    """
+    # checkpoint projection -> (fused parameter, shard name)
+    STACKED_PARAMS = STACKED_PARAMS
 
-    def __init__(self, arch: ArchConfig, max_positions: int, transpose_wide: bool = False
-                 ) -> None:
+    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
         super().__init__()
         if arch.hidden_act != "silu":
             raise ValueError(f"hidden_act {arch.hidden_act!r} is not supported (only 'silu')")
         self.arch = arch
-        self.model = LlamaModel(arch, max_positions, transpose_wide,
-                                lambda: self.build_mlp(arch, transpose_wide))
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False,
-                              wide(arch.hidden_size, arch.vocab_size, transpose_wide))
+        self.model = LlamaModel(arch, max_positions, lambda: self.build_mlp(arch))
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False)
         # Tied: the LM head's weight is also the embedding table (see embed).
         self.lm_head.keep_weight = arch.tie_word_embeddings
 
     @staticmethod
-    def build_mlp(arch: ArchConfig, transpose_wide: bool) -> nn.Module:
-        return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, transpose_wide)
+    def build_mlp(arch: ArchConfig) -> nn.Module:
+        return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
 
     def post_load(self) -> None:
         """Build non-persistent tables once the module sits on its device."""
@@ -174,36 +165,42 @@ class LlamaForCausalLM(nn.Module):
         loader can check completeness against expected_weights().
         """
         loaded: set[str] = set()
-        for name, tensor in weights:
-            if "rotary_emb" in name:
-                continue
-            if self.arch.tie_word_embeddings:
-                if name == "lm_head.weight":
-                    continue  # the same tensor as the embedding
-                if name == "model.embed_tokens.weight":
-                    name = "lm_head.weight"
-            target, rows = self._locate(name)
-            try:
-                module_name, param_name = self._split_owner(target)
-                module = self.get_submodule(module_name)
-                if hasattr(module, "load_checkpoint_tensor"):
-                    # Modules with their own checkpoint layout (MoE experts).
-                    loaded.add(module.load_checkpoint_tensor(module_name, param_name, tensor))
-                    continue
-                if isinstance(module, Linear):
-                    module.load(param_name, tensor, rows)
-                else:
-                    getattr(module, param_name).data.copy_(tensor)
-            except (AttributeError, ValueError, RuntimeError) as exc:
-                raise ValueError(f"checkpoint tensor {name!r} "
-                                 f"({tuple(tensor.shape)}) does not fit the model: {exc}") from None
-            loaded.add(f"{target}[{rows.start}:{rows.stop}]" if rows is not None else target)
+        for checkpoint_name, checkpoint_tensor in weights:
+            for name, tensor in self.split_checkpoint_tensor(checkpoint_name, checkpoint_tensor):
+                loaded.add(self._load_tensor(name, tensor))
         return loaded
+
+    def _load_tensor(self, name: str, tensor: torch.Tensor) -> str:
+        if "rotary_emb" in name:
+            return name
+        if self.arch.tie_word_embeddings:
+            if name == "lm_head.weight":
+                return name  # the same tensor as the embedding
+            if name == "model.embed_tokens.weight":
+                name = "lm_head.weight"
+        target, rows = self._locate(name)
+        try:
+            module_name, param_name = self._split_owner(target)
+            module = self.get_submodule(module_name)
+            if isinstance(module, Linear):
+                module.load(param_name, tensor, rows)
+            else:
+                getattr(module, param_name).data.copy_(tensor)
+        except (AttributeError, ValueError, RuntimeError) as exc:
+            raise ValueError(f"checkpoint tensor {name!r} "
+                             f"({tuple(tensor.shape)}) does not fit the model: {exc}") from None
+        return f"{target}[{rows.start}:{rows.stop}]" if rows is not None else target
+
+    @staticmethod
+    def split_checkpoint_tensor(name: str, tensor: torch.Tensor
+                                ) -> Iterable[tuple[str, torch.Tensor]]:
+        """Hook for checkpoint tensors that hold several of the model's (fused layouts)."""
+        return ((name, tensor),)
 
     def _locate(self, name: str) -> tuple[str, slice | None]:
         """Map a checkpoint name to (parameter name, rows of a fused parameter)."""
         name = self.rename_checkpoint_tensor(name)
-        for ckpt_part, (fused, shard) in STACKED_PARAMS.items():
+        for ckpt_part, (fused, shard) in self.STACKED_PARAMS.items():
             if f".{ckpt_part}." in name:
                 target = name.replace(ckpt_part, fused)
                 owner = self.get_submodule(target.rsplit(".", 2)[0])
@@ -231,11 +228,6 @@ class LlamaForCausalLM(nn.Module):
         """What load_weights must have filled for the model to be complete."""
         expected: set[str] = set()
         for name, _ in self.named_parameters():
-            module = self.get_submodule(name.rsplit(".", 2)[0]) if "." in name else self
-            owner = self.get_submodule(name.rpartition(".")[0])
-            if hasattr(owner, "expected_checkpoint_tensors"):
-                expected |= owner.expected_checkpoint_tensors(name.rpartition(".")[0])
-                continue
             if name.endswith(("qkv_proj.weight", "qkv_proj.bias")):
                 shards = "qkv"
             elif name.endswith(("gate_up_proj.weight", "gate_up_proj.bias")):
@@ -243,6 +235,8 @@ class LlamaForCausalLM(nn.Module):
             else:
                 expected.add(name)
                 continue
+            # The fused layer's owner (attention, MLP, expert) knows where each shard sits.
+            module = self.get_submodule(name.rsplit(".", 2)[0])
             for shard in shards:
                 rows = module.shard_slice(shard)
                 expected.add(f"{name}[{rows.start}:{rows.stop}]")

@@ -13,6 +13,8 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from tokenmill.layers.linear import LinearSelector, bind_linear_methods, finalize_linear_methods
+from tokenmill.layers.products import ProductPolicy
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.registry import resolve_model_class
 
@@ -78,7 +80,13 @@ def iterate_weights(files: list[Path], progress: bool = True) -> Iterator[tuple[
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
-               max_positions: int | None = None, progress: bool = True) -> LoadedModel:
+               max_positions: int | None = None, progress: bool = True,
+               select_linear: LinearSelector | None = None) -> LoadedModel:
+    """Build the model for a checkpoint directory and load its weights.
+
+    select_linear picks each Linear layer's method (layers/products.py); default:
+    torch's own products for the device.
+    """
     model_dir = Path(model_dir)
     arch = read_config(model_dir)
     model_class = resolve_model_class(arch.architecture)
@@ -86,7 +94,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
     torch_dtype = resolve_dtype(dtype, torch_device)
     positions = max_positions or arch.max_position_embeddings
     with torch.device("meta"):
-        model = model_class(arch, positions, transpose_wide=torch_device.type == "cpu")
+        model = model_class(arch, positions)
+        bind_linear_methods(model, select_linear or ProductPolicy(torch_device).select)
     model = model.to_empty(device=torch_device).to(torch_dtype)
     # Rotary tables stay in float32 whatever the weights' dtype.
     model.model.rotary.float()
@@ -96,4 +105,5 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
         raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {sorted(missing)[:8]}")
     model.post_load()
     model.eval().requires_grad_(False)
+    finalize_linear_methods(model)
     return LoadedModel(model, arch, read_generation_config(model_dir), torch_device, torch_dtype)

@@ -19,6 +19,7 @@ import torch
 
 from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.request import Request
+from tokenmill.layers.linear import LinearSelector
 from tokenmill.model.loader import load_model
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.speculative.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
@@ -32,8 +33,10 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, model_dir: str, target_vocab_size: int, device: torch.device,
                  dtype: torch.dtype, num_blocks: int, block_size: int,
-                 micro_batch: int | None = None, seed: int = 0, progress: bool = False) -> None:
-        loaded = load_model(model_dir, _dtype_name(dtype), device.type, progress=progress)
+                 micro_batch: int | None = None, seed: int = 0, progress: bool = False,
+                 select_linear: LinearSelector | None = None) -> None:
+        loaded = load_model(model_dir, _dtype_name(dtype), device.type, progress=progress,
+                            select_linear=select_linear)
         if loaded.arch.vocab_size != target_vocab_size:
             raise ValueError(
                 f"speculative_model: the draft's vocabulary ({loaded.arch.vocab_size}) differs "

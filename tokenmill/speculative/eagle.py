@@ -41,8 +41,14 @@ from tokenmill.attention.base import AttentionBackend, AttentionMetadata
 from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.request import Request
 from tokenmill.kv import KVCache
-from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear import (
+    Linear,
+    LinearSelector,
+    bind_linear_methods,
+    finalize_linear_methods,
+)
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.products import ProductPolicy
 from tokenmill.layers.rotary import RotaryEmbedding
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.llama import DecoderLayer, LlamaForCausalLM
@@ -91,14 +97,12 @@ class WindowCausalAttention(AttentionBackend):
 
 
 class EagleHead(nn.Module):
-    def __init__(self, arch: ArchConfig, max_positions: int, transpose_wide: bool = False
-                 ) -> None:
+    def __init__(self, arch: ArchConfig, max_positions: int) -> None:
         super().__init__()
         self.arch = arch
         hidden = arch.hidden_size
         self.fc = Linear(2 * hidden, hidden, bias=True)
-        self.layer = DecoderLayer(arch, transpose_wide,
-                                  LlamaForCausalLM.build_mlp(arch, transpose_wide))
+        self.layer = DecoderLayer(arch, LlamaForCausalLM.build_mlp(arch))
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
         self.rotary.build_cache()
 
@@ -155,8 +159,8 @@ def save_eagle_head(head: EagleHead, out_dir: Path, target: dict[str, Any]) -> N
     for name, param in head.named_parameters():
         owner = head.get_submodule(name.rpartition(".")[0])
         tensor = param.detach()
-        if isinstance(owner, Linear) and owner.transposed and name.endswith(".weight"):
-            tensor = tensor.t()
+        if isinstance(owner, Linear) and name.endswith(".weight"):
+            tensor = owner.checkpoint_weight()
         tensors[name] = tensor.float().contiguous().cpu()
     save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": FORMAT})
     config = head_config(head.arch, target)
@@ -186,18 +190,23 @@ def read_head_config(head_dir: str | Path, target_arch: ArchConfig) -> tuple[Arc
     return arch, config
 
 
-def load_eagle_head(head_dir: str | Path, target_model: LlamaForCausalLM) -> EagleHead:
-    """The head saved in head_dir, on the target's device and dtype, ready to draft.
+def load_eagle_head(head_dir: str | Path, target_model: LlamaForCausalLM,
+                    select_linear: LinearSelector | None = None) -> EagleHead:
+    """The head saved in head_dir, on the target's device and dtype, ready to draft;
+    its Linear layers take the methods select_linear picks (default: torch's own).
 
     Raises ValueError when the head was built for a target of another geometry.
     """
     arch, _ = read_head_config(head_dir, target_model.arch)
     reference = next(target_model.parameters())
     rotary = target_model.model.rotary
-    head = EagleHead(arch, rotary.max_positions, transpose_wide=reference.device.type == "cpu")
+    head = EagleHead(arch, rotary.max_positions)
+    bind_linear_methods(head, select_linear or ProductPolicy(reference.device).select)
     load_head_weights(head, load_file(str(Path(head_dir) / WEIGHTS_FILE)), Path(head_dir))
     head.place(reference.device, reference.dtype)
-    return head.eval().requires_grad_(False)
+    head.eval().requires_grad_(False)
+    finalize_linear_methods(head)
+    return head
 
 
 @torch.no_grad()
@@ -306,12 +315,13 @@ class EagleProposer(Proposer):
     @classmethod
     def load(cls, head_dir: str | Path, target: LlamaForCausalLM, arch: ArchConfig,
              device: torch.device, dtype: torch.dtype, num_blocks: int, block_size: int = 16,
-             micro_batch: int | None = None, seed: int = 0) -> EagleProposer:
+             micro_batch: int | None = None, seed: int = 0,
+             select_linear: LinearSelector | None = None) -> EagleProposer:
         """The proposer for the head saved in head_dir, as `tokenmill.speculative.factory` builds
         it. arch, device and dtype are the target's: the head takes them from target."""
         del arch, device, dtype  # the head is checked against, and placed like, target
-        return cls(load_eagle_head(head_dir, target), target, num_blocks, block_size,
-                   micro_batch, seed)
+        return cls(load_eagle_head(head_dir, target, select_linear), target, num_blocks,
+                   block_size, micro_batch, seed)
 
     # ---- engine interface ----------------------------------------------------------------
     @torch.inference_mode()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from tokenmill.config import EngineConfig
+from tokenmill.layers.linear import LinearSelector
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import LoadedModel
 from tokenmill.speculative.base import Proposer
@@ -19,7 +20,8 @@ def default_speculative_model(config: EngineConfig) -> Path:
 
 
 def build_proposer(config: EngineConfig, arch: ArchConfig, target: LoadedModel,
-                   num_blocks: int, progress: bool = False) -> Proposer | None:
+                   num_blocks: int, progress: bool = False,
+                   select_linear: LinearSelector | None = None) -> Proposer | None:
     spec = config.spec
     method = spec.speculative_method
     if method is None:
@@ -36,8 +38,9 @@ def build_proposer(config: EngineConfig, arch: ArchConfig, target: LoadedModel,
         from tokenmill.speculative.draft import DraftModelProposer
         return DraftModelProposer(str(path), arch.vocab_size, target.device, target.dtype,
                                   num_blocks, config.cache.block_size, spec.draft_micro_batch,
-                                  seed=config.model.seed, progress=progress)
+                                  seed=config.model.seed, progress=progress,
+                                  select_linear=select_linear)
     from tokenmill.speculative.eagle import EagleProposer
     return EagleProposer.load(str(path), target.model, arch, target.device, target.dtype,
                               num_blocks, config.cache.block_size, spec.draft_micro_batch,
-                              seed=config.model.seed)
+                              seed=config.model.seed, select_linear=select_linear)

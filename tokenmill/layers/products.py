@@ -1,0 +1,112 @@
+"""Who multiplies matrices on this device: the `cpu_blas` setting resolved into a
+product policy, which picks every Linear's method and says what a step needs around it.
+
+    torch   PyTorch's own products: wide layers transposed on the CPU, plain elsewhere
+    onednn  oneDNN on weights packed once at load (`auto` for float32 on the CPU)
+    numpy   NumPy's OpenBLAS (where torch lacks oneDNN); torch's own work then runs on
+            one thread during a step, so the two thread pools never spin against
+            each other (layers/cpu_blas.py)
+
+The registry `LINEAR_METHODS` names every method the policies (and, later, weight
+quantization and tensor parallelism) choose from.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
+
+import torch
+
+from tokenmill.layers import cpu_blas
+from tokenmill.layers.linear import Linear, LinearSelector
+from tokenmill.layers.linear_method import PLAIN, TRANSPOSED, LinearMethod
+
+LINEAR_METHODS: dict[str, LinearMethod] = {
+    method.name: method for method in (PLAIN, TRANSPOSED, cpu_blas.ONEDNN, cpu_blas.NUMPY,
+                                       cpu_blas.NUMPY_TRANSPOSED)
+}
+
+
+def register_linear_method(method: LinearMethod) -> None:
+    if method.name in LINEAR_METHODS and LINEAR_METHODS[method.name] is not method:
+        raise ValueError(f"a linear method named {method.name!r} is already registered")
+    LINEAR_METHODS[method.name] = method
+
+
+def is_wide(layer: Linear) -> bool:
+    return layer.out_features > layer.in_features
+
+
+class ProductPolicy:
+    """torch's own products (the base policy)."""
+
+    name = "torch"
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def select(self, prefix: str, layer: Linear) -> LinearMethod:
+        transposed = self.device.type == "cpu" and is_wide(layer)
+        return LINEAR_METHODS["transposed" if transposed else "plain"]
+
+    def configure_threads(self, num_threads: int) -> None:
+        """Size the product library's own thread pool, if it has one."""
+
+    def step_context(self) -> AbstractContextManager[None]:
+        """What a step (propose or forward) runs inside."""
+        return contextlib.nullcontext()
+
+    def padded_rows(self, num_rows: int) -> int:
+        """Rows the products compute for a num_rows-row product (padding included)."""
+        return num_rows
+
+    @property
+    def selector(self) -> LinearSelector:
+        return self.select
+
+
+class OneDNNProducts(ProductPolicy):
+    name = "onednn"
+
+    def select(self, prefix: str, layer: Linear) -> LinearMethod:
+        return LINEAR_METHODS["onednn"]
+
+    def padded_rows(self, num_rows: int) -> int:
+        return cpu_blas.onednn_rows(num_rows)
+
+
+class NumpyProducts(ProductPolicy):
+    name = "numpy"
+
+    def select(self, prefix: str, layer: Linear) -> LinearMethod:
+        return LINEAR_METHODS["numpy-transposed" if is_wide(layer) else "numpy"]
+
+    def configure_threads(self, num_threads: int) -> None:
+        cpu_blas.set_blas_threads(num_threads)
+
+    @contextlib.contextmanager
+    def step_context(self) -> Iterator[None]:
+        with cpu_blas.single_torch_thread():
+            yield
+
+    def padded_rows(self, num_rows: int) -> int:
+        return cpu_blas.padded_rows(num_rows)
+
+
+def product_policy(setting: str, device: torch.device, dtype: torch.dtype) -> ProductPolicy:
+    """The policy for the `cpu_blas` setting (auto / onednn / numpy / torch)."""
+    eligible = device.type == "cpu" and dtype == torch.float32
+    if setting in ("onednn", "numpy") and not eligible:
+        raise ValueError(f"cpu_blas: {setting!r} needs a float32 model on the CPU, not "
+                         f"{dtype} on {device.type}")
+    if setting == "onednn" and not cpu_blas.onednn_available():
+        raise ValueError("cpu_blas: 'onednn' needs a torch build with oneDNN (mkldnn)")
+    if setting not in ("auto", "onednn", "numpy", "torch"):
+        raise ValueError(f"cpu_blas: no CPU product path {setting!r}")
+    if not eligible or setting == "torch":
+        return ProductPolicy(device)
+    if setting == "auto":
+        setting = "onednn" if cpu_blas.onednn_available() else "numpy"
+    return OneDNNProducts(device) if setting == "onednn" else NumpyProducts(device)
