@@ -40,6 +40,7 @@ import torch
 
 from tokenmill import SamplingParams
 from tokenmill.attention.paged import PagedAttention
+from tokenmill.attention.registry import register_attention_backend
 from tokenmill.bench.ceilings import CACHE
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.kv import dequantize, quantize
@@ -137,7 +138,7 @@ def quality(model: str, args: argparse.Namespace) -> tuple[list[dict], list[list
                                         enable_prefix_caching=False, max_num_seqs=4,
                                         num_threads=args.threads)
                for d in DTYPES}
-    recorders = {d: LogitsRecorder(e.runner.model) for d, e in engines.items()}
+    recorders = {d: LogitsRecorder(e.executor.worker.runner.model) for d, e in engines.items()}
     texts = held_out_texts(engines["auto"], args.tokens, args.texts)
     stats = {d: {"nll": [], "kl": [], "top1": [], "greedy": []} for d in DTYPES}
     for ids in texts:
@@ -173,14 +174,17 @@ def quality(model: str, args: argparse.Namespace) -> tuple[list[dict], list[list
 class RecordingAttention(PagedAttention):
     """The reference backend, keeping every layer's post-RoPE K and V it is given."""
 
-    def __init__(self) -> None:
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+    name = "recording-paged"
 
-    def forward(self, q, k, v, kv_cache, metadata, scale):
-        self.keys.append(k.double())
-        self.values.append(v.double())
-        return super().forward(q, k, v, kv_cache, metadata, scale)
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        self.keys: dict[int, list[torch.Tensor]] = {}
+        self.values: dict[int, list[torch.Tensor]] = {}
+
+    def forward(self, layer_index, q, k, v, kv_cache, metadata, scale):
+        self.keys.setdefault(layer_index, []).append(k.double())
+        self.values.setdefault(layer_index, []).append(v.double())
+        return super().forward(layer_index, q, k, v, kv_cache, metadata, scale)
 
 
 def relative_error(x: torch.Tensor, dtype: torch.dtype, per: str, group: int = 16) -> float:
@@ -198,10 +202,10 @@ def relative_error(x: torch.Tensor, dtype: torch.dtype, per: str, group: int = 1
 
 
 def scale_granularity(model: str, texts: list[list[int]], threads: int) -> list[dict]:
+    register_attention_backend(RecordingAttention)
     engine = LLMEngine.from_kwargs(model, progress=False, enable_prefix_caching=False,
-                                   num_threads=threads)
-    recorder = RecordingAttention()
-    engine.runner.backend = recorder
+                                   num_threads=threads, attention_backend=RecordingAttention.name)
+    recorder = engine.executor.worker.runner.backend
     num_layers = engine.arch.num_layers
     rows = []
     for ids in texts:
@@ -210,9 +214,8 @@ def scale_granularity(model: str, texts: list[list[int]], threads: int) -> list[
         engine.add_request("text", ids, SamplingParams(temperature=0, max_tokens=1))
         engine.run_to_completion()
         for layer in range(num_layers):
-            # Every forward calls the layers in order: layer i's tensors are i::num_layers.
-            keys = torch.cat(recorder.keys[layer::num_layers])
-            values = torch.cat(recorder.values[layer::num_layers])
+            keys = torch.cat(recorder.keys[layer])
+            values = torch.cat(recorder.values[layer])
             for kind, x in (("K", keys), ("V", values)):
                 for dtype in (torch.int8, torch.float8_e4m3fn):
                     rows.append({"kind": kind, "dtype": dtype, "layer": layer,
@@ -252,8 +255,8 @@ def run_workload(engine: LLMEngine, prompts: list[list[int]], output_len: int) -
 
 
 def throughput(model: str, args: argparse.Namespace) -> dict[str, list[dict]]:
-    from tokenmill.engine.memory import blocks_for, kv_bytes_per_block
     from tokenmill.model.loader import read_config
+    from tokenmill.worker.memory import blocks_for, kv_bytes_per_block
 
     arch = read_config(model)
     rng = random.Random(0)

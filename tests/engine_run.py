@@ -27,9 +27,7 @@ def run_staggered(engine: LLMEngine, prompts: list[list[int]],
         step += 1
         assert step < max_steps, "engine did not finish"
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
-    # A draft model's or EAGLE head's own pool: every finished request released.
-    proposer_kv = getattr(getattr(engine, "proposer", None), "kv_manager", None)
-    if proposer_kv is not None:
-        proposer_kv.check_integrity()
-        assert proposer_kv.num_free_blocks == proposer_kv.num_blocks
+    # The worker's side: a draft model's or EAGLE head's own pool and the sampling
+    # streams, every finished request released.
+    engine.executor.check_integrity(idle=True)
     return [results[f"r{i}"] for i in range(len(prompts))]

@@ -1,4 +1,5 @@
-"""Sampler against a straightforward per-row reference implementation."""
+"""Sampler and logits processors against a straightforward per-row reference
+implementation."""
 
 from __future__ import annotations
 
@@ -7,10 +8,23 @@ import math
 import pytest
 import torch
 
+from tokenmill.layers.logits_processors import (
+    TokenHistory,
+    apply_logits_processors,
+    build_logits_processors,
+)
 from tokenmill.layers.sampler import build_sampling_batch, filter_logits, sample
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB = 12
+CPU = torch.device("cpu")
+
+
+def processed(logits: torch.Tensor, params: list[SamplingParams],
+              histories: list[TokenHistory]) -> torch.Tensor:
+    """logits after each row's processors, as the worker applies them."""
+    return apply_logits_processors(logits, [(build_logits_processors(p, h), h)
+                                            for p, h in zip(params, histories, strict=True)])
 
 
 def reference_distribution(logits: list[float], p: SamplingParams, prompt: list[int],
@@ -64,12 +78,9 @@ def test_filtered_distribution_matches_reference(params):
     torch.manual_seed(0)
     logits = torch.randn(3, VOCAB) * 2
     prompt, output = [1, 2, 3], [3, 4, 4, 7]
-    batch = build_sampling_batch([params] * 3, [(prompt, output)] * 3, [], [None] * 3, VOCAB,
-                                 torch.device("cpu"))
-    penalized = logits
-    if batch.output_counts is not None:
-        from tokenmill.layers.sampler import apply_penalties
-        penalized = apply_penalties(logits, batch)
+    history = TokenHistory(len(output), frozenset(), prompt, output)
+    batch = build_sampling_batch([params] * 3, [None] * 3, VOCAB, CPU)
+    penalized = processed(logits, [params] * 3, [history] * 3)
     sorted_logits, order = filter_logits(penalized, batch)
     probs = torch.zeros_like(logits).scatter_(1, order, sorted_logits.softmax(-1))
     for row in range(3):
@@ -84,8 +95,7 @@ def test_empirical_frequencies_follow_the_distribution():
     expected = torch.tensor(reference_distribution(logits[0].tolist(), params, [], []))
     shared = torch.Generator().manual_seed(0)
     rows = 20000
-    batch = build_sampling_batch([params] * rows, [([], [])] * rows, [], [None] * rows, VOCAB,
-                                 torch.device("cpu"))
+    batch = build_sampling_batch([params] * rows, [None] * rows, VOCAB, CPU)
     tokens = sample(logits.expand(rows, VOCAB), batch, shared).token_ids
     freq = torch.bincount(tokens, minlength=VOCAB).float() / rows
     assert 0.5 * (freq - expected).abs().sum() < 0.02
@@ -105,9 +115,7 @@ def test_seeded_row_is_independent_of_batch_composition():
         for _ in range(steps):
             logits = torch.cat([torch.randn(extra_rows, VOCAB), target])
             batch = build_sampling_batch([other] * extra_rows + [params],
-                                         [([], [])] * (extra_rows + 1), [],
-                                         [None] * extra_rows + [gen], VOCAB,
-                                         torch.device("cpu"))
+                                         [None] * extra_rows + [gen], VOCAB, CPU)
             out.append(int(sample(logits, batch, shared).token_ids[-1]))
         return out
 
@@ -116,18 +124,23 @@ def test_seeded_row_is_independent_of_batch_composition():
 
 def test_greedy_rows_take_argmax_and_banned_tokens_are_never_chosen():
     logits = torch.tensor([[0.0, 5.0, 1.0, 4.0], [3.0, 1.0, 0.0, 2.0]])
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=0)]
-    batch = build_sampling_batch(params, [([], [])] * 2, [(0, [1])], [None, None], 4,
-                                 torch.device("cpu"))
-    assert sample(logits, batch, torch.Generator()).token_ids.tolist() == [3, 0]
+    # Row 0 is below min_tokens: its EOS (1) is banned; row 1 reached it.
+    params = [SamplingParams(temperature=0, min_tokens=2), SamplingParams(temperature=0)]
+    histories = [TokenHistory(1, frozenset({1})), TokenHistory(5, frozenset({1}))]
+    batch = build_sampling_batch(params, [None, None], 4, CPU)
+    out = sample(processed(logits, params, histories), batch, torch.Generator())
+    assert out.token_ids.tolist() == [3, 0]
+    assert logits[0, 1] == 5.0  # the caller's logits are left alone
 
 
 def test_logprobs_are_raw_model_logprobs_with_rank():
     logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     params = [SamplingParams(temperature=0, logprobs=2, repetition_penalty=1.5)]
-    batch = build_sampling_batch(params, [([0], [])], [], [None], 4, torch.device("cpu"))
-    out = sample(logits, batch, torch.Generator())
-    raw = logits.log_softmax(-1)[0]
+    history = TokenHistory(0, frozenset(), [0], [])
+    batch = build_sampling_batch(params, [None], 4, CPU)
+    raw = logits.log_softmax(-1)
+    out = sample(processed(logits, params, [history]), batch, torch.Generator(), raw)
+    raw = raw[0]
     # The penalty on token 0 (2.0 / 1.5 = 1.33) keeps it first; logprobs stay unpenalised.
     assert out.token_ids.tolist() == [0]
     assert out.logprobs[0].item() == pytest.approx(raw[0].item())

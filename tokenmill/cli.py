@@ -26,7 +26,10 @@ SAMPLING_FLAGS = {
 
 
 def _flag_type(field: dataclasses.Field) -> tuple[Any, tuple | None]:
-    """(argparse type, choices) from a dataclass field's annotation."""
+    """(argparse type, choices) from a dataclass field's annotation (or its registry's
+    names, in the field's metadata)."""
+    if "choices" in field.metadata:
+        return str, field.metadata["choices"]
     annotation = field.type if not isinstance(field.type, str) else eval(  # noqa: S307
         field.type, vars(typing) | {"Literal": typing.Literal})
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):

@@ -12,11 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tokenmill.speculative.registry import SPECULATIVE_METHODS
+
 CHUNK_POLICIES = ("fixed", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-SPEC_METHODS = ("ngram", "draft", "eagle")
+EXECUTORS = ("in-process", "multiprocess")
 
 # The embedded default model, committed with the project.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pycoder"
@@ -139,8 +141,10 @@ class SpecConfig:
     """Speculative decoding: which proposer, how many tokens, when to back off."""
 
     # None: off. ngram: prompt lookup; draft: a small model with the same tokenizer;
-    # eagle: a feature-level draft head trained for the target.
-    speculative_method: Literal["ngram", "draft", "eagle"] | None = None
+    # eagle: a feature-level draft head trained for the target (the methods are
+    # listed in tokenmill/speculative/registry.py).
+    speculative_method: str | None = field(
+        default=None, metadata={"choices": tuple(SPECULATIVE_METHODS)})
     # Most tokens proposed per request per step (k).
     # 7: a lone request's 1 + 7 rows are the most the CPU products compute without
     # padding (cpu_blas.onednn_rows; on the OpenBLAS path, one 8-row panel), and
@@ -164,8 +168,8 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.speculative_method is not None:
-            _require(self.speculative_method in SPEC_METHODS, "speculative_method",
-                     f"one of {SPEC_METHODS} or None", self.speculative_method)
+            _require(self.speculative_method in SPECULATIVE_METHODS, "speculative_method",
+                     f"one of {tuple(SPECULATIVE_METHODS)} or None", self.speculative_method)
         _require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "in [1, 16]",
                  self.num_speculative_tokens)
         _require(self.prompt_lookup_min >= 1, "prompt_lookup_min", ">= 1", self.prompt_lookup_min)
@@ -179,11 +183,37 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
+class AttentionConfig:
+    """Which attention backend runs the model's attention layers."""
+
+    # A name registered in tokenmill/attention/registry.py (checked when the worker
+    # builds it: backends can be registered at run time).
+    attention_backend: str = "paged"
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.attention_backend, str) and bool(self.attention_backend),
+                 "attention_backend", "a registered backend name", self.attention_backend)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Where the model runs: in the engine's process, or in worker processes that
+    receive each step as plain data."""
+
+    executor: Literal["in-process", "multiprocess"] = "in-process"
+
+    def __post_init__(self) -> None:
+        _require(self.executor in EXECUTORS, "executor", f"one of {EXECUTORS}", self.executor)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         sched = self.scheduler
@@ -210,7 +240,8 @@ class EngineConfig:
 
 
 _PARTS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig,
-                           "scheduler": SchedulerConfig, "spec": SpecConfig}
+                           "scheduler": SchedulerConfig, "spec": SpecConfig,
+                           "attention": AttentionConfig, "parallel": ParallelConfig}
 _FIELD_OWNER: dict[str, str] = {
     f.name: part for part, klass in _PARTS.items() for f in dataclasses.fields(klass)
 }

@@ -57,6 +57,6 @@ def test_quantized_preemption_matches_large_pool(llama_dir, reference, kv_dtype)
 
 def test_quantized_cache_stores_one_byte_codes_and_scales(llama_dir, kv_dtype):
     engine = make_engine(llama_dir, kv_cache_dtype=kv_dtype)
-    cache = engine.runner.kv_caches[0]
+    cache = engine.executor.worker.runner.kv_caches[0]
     assert cache.data.element_size() == 1
     assert cache.scales is not None and cache.scales.shape == cache.data.shape[:-1]

@@ -7,9 +7,9 @@ import torch
 
 from tokenmill.cli import main
 from tokenmill.config import CacheConfig, EngineConfig
-from tokenmill.engine.memory import kv_bytes_per_block, num_parameters, plan_kv_blocks, plan_memory
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import read_config
+from tokenmill.worker.memory import kv_bytes_per_block, num_parameters, plan_kv_blocks, plan_memory
 
 CPU = torch.device("cpu")
 

@@ -23,7 +23,7 @@ def traced(llama_dir):
     tracer = StepTracer().attach(engine)
     run_engine_workload(engine, workload, progress=False)
     tracer.detach(engine)
-    assert engine.tracer is None and engine.runner.tracer is None
+    assert engine.tracer is None and engine.executor.worker.tracer is None
     return tracer
 
 
@@ -82,4 +82,4 @@ def test_idle_gaps_between_steps_are_counted():
 
 def test_engine_without_tracer_has_none(llama_dir):
     engine = LLMEngine.from_kwargs(str(llama_dir), progress=False, num_threads=1)
-    assert engine.tracer is None and engine.runner.tracer is None
+    assert engine.tracer is None and engine.executor.worker.tracer is None

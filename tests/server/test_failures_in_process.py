@@ -57,7 +57,7 @@ def assert_engine_error(response: httpx.Response) -> None:
 
 
 def test_failed_step_is_a_500_and_the_next_request_succeeds(engine, monkeypatch):
-    fail_once(monkeypatch, engine.runner, "execute")
+    fail_once(monkeypatch, engine.executor, "execute")
 
     async def scenario(client, async_engine):
         first = await client.post("/v1/completions", json=REQUEST)
@@ -87,7 +87,7 @@ def test_failed_add_is_a_500_and_the_next_request_succeeds(engine, monkeypatch):
 
 
 def test_failure_mid_stream_ends_the_stream_with_an_error_event(engine, monkeypatch):
-    original = engine.runner.execute
+    original = engine.executor.execute
     calls = {"n": 0}
 
     def fail_third(*args, **kwargs):
@@ -96,7 +96,7 @@ def test_failure_mid_stream_ends_the_stream_with_an_error_event(engine, monkeypa
             raise RuntimeError("injected failure")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(engine.runner, "execute", fail_third)
+    monkeypatch.setattr(engine.executor, "execute", fail_third)
 
     async def scenario(client, async_engine):
         response = await client.post("/v1/completions", json={**REQUEST, "stream": True,

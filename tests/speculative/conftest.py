@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from tokenmill.model.loader import load_model
-from tokenmill.speculative.eagle import EagleHead, head_arch, save_eagle_head
+from tokenmill.speculative.eagle.checkpoint import save_eagle_head
+from tokenmill.speculative.eagle.head import EagleHead, head_arch
 
 # Large enough that the random head's logits are far from ties.
 TEST_INIT_STD = 0.2

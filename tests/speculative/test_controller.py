@@ -7,12 +7,9 @@ import pytest
 from tokenmill.config import SpecConfig
 from tokenmill.core.request import Request
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculative.controller import (
-    LONGEST_WAIT,
-    SpecController,
-    StepCostFit,
-    expected_tokens,
-)
+from tokenmill.speculative.controller import SpecController
+from tokenmill.speculative.costs import StepCostFit, expected_tokens
+from tokenmill.speculative.guard import LONGEST_WAIT
 
 
 def request(name: str) -> Request:
@@ -49,7 +46,7 @@ def test_high_acceptance_with_cheap_drafts_speculates_fully():
     feed(controller, a=0.003, b=0.0001, draft_cost=0.0)
     r = request("a")
     for _ in range(10):
-        controller.record_verify(r, 4, 4)
+        controller.record_verify(r.request_id, 4, 4)
     assert controller.plan([r], [10]) == [4]
     assert controller.plan([r], [2]) == [2]  # capped by the room left
 
@@ -60,12 +57,12 @@ def test_low_acceptance_with_costly_drafts_stops_then_probes():
     feed(controller, a=0.003, b=0.0005, draft_cost=0.001)
     r = request("b")
     for _ in range(10):
-        controller.record_verify(r, 4, 0)
+        controller.record_verify(r.request_id, 4, 0)
     plans = [controller.plan([r], [10])[0] for _ in range(12)]
     assert set(plans) == {0, 1} and plans.count(1) >= 2  # off, with one-token probes
     # Acceptance comes back: speculation resumes.
     for _ in range(20):
-        controller.record_verify(r, 4, 4)
+        controller.record_verify(r.request_id, 4, 4)
     assert controller.plan([r], [10]) == [4]
 
 
@@ -85,7 +82,7 @@ def test_idle_requests_probe_on_the_same_step():
             requests.append(request(f"late{step}"))
         for r in requests:
             for _ in range(10):
-                controller.record_verify(r, 4, 0)
+                controller.record_verify(r.request_id, 4, 0)
         plans.append(controller.plan(requests, [10] * len(requests)))
     probe_steps = [i for i, plan in enumerate(plans) if any(plan)]
     assert all(set(plans[i]) == {1} for i in probe_steps)  # everyone probes together
@@ -97,7 +94,7 @@ def test_adaptive_off_always_uses_k():
                                            num_speculative_tokens=4))
     feed(controller, a=0.003, b=0.0005, draft_cost=0.01)
     r = request("c")
-    controller.record_verify(r, 4, 0)
+    controller.record_verify(r.request_id, 4, 0)
     assert controller.plan([r], [10]) == [4]
 
 
@@ -107,7 +104,7 @@ def test_guard_turns_speculation_off_when_measured_steps_are_slower():
     feed(controller, a=0.003, b=0.0001, draft_cost=0.0)
     r = request("d")
     for _ in range(10):
-        controller.record_verify(r, 4, 4)
+        controller.record_verify(r.request_id, 4, 4)
     assert controller.plan([r], [10]) == [4]  # the cost model says: speculate
     for _ in range(20):  # ...but whole steps measure slower per emitted token (7%)
         controller.record_step(0.0064, 2, speculated=True)
@@ -170,7 +167,7 @@ def test_padded_rows_make_every_k_cost_alike():
             controller.record_forward(tokens, step_seconds(tokens))
         r = request(name)
         for _ in range(20):  # acceptance settles near 0.6
-            controller.record_verify(r, 5, 3)
+            controller.record_verify(r.request_id, 5, 3)
         plans[name] = controller.plan([r], [10])[0]
     assert plans["padded"] == 7
     assert 0 < plans["per token"] < 7
@@ -188,7 +185,7 @@ def test_a_heavy_loss_is_retried_rarely():
         feed(controller, a=0.003, b=0.0001, draft_cost=0.0)
         r = request("e")
         for _ in range(10):
-            controller.record_verify(r, 4, 4)
+            controller.record_verify(r.request_id, 4, 4)
         for _ in range(20):
             controller.record_step(spec_cost, 2, speculated=True)
             controller.record_step(0.003, 1, speculated=False)
@@ -207,12 +204,12 @@ def test_a_heavy_loss_is_retried_rarely():
 def test_new_requests_start_from_the_acceptance_measured_lately():
     controller = SpecController(SpecConfig(speculative_method="draft", num_speculative_tokens=4))
     feed(controller, a=0.003, b=0.0001, draft_cost=0.0005)
-    assert controller.state(request("first")).alpha == pytest.approx(0.6)  # the prior
+    assert controller.state("first").alpha == pytest.approx(0.6)  # the prior
     old = request("old")
     for _ in range(30):  # the proposer keeps missing
-        controller.record_verify(old, 4, 0)
+        controller.record_verify(old.request_id, 4, 0)
     new = request("new")
-    assert controller.state(new).alpha < 0.1
+    assert controller.state(new.request_id).alpha < 0.1
     assert controller.plan([new], [10]) == [0]  # not tried afresh on every new request
 
 
@@ -225,7 +222,7 @@ def test_the_guard_keeps_a_verdict_per_batch_size():
     alone, batch = request("alone"), [request(f"b{i}") for i in range(8)]
     for r in [alone, *batch]:
         for _ in range(10):
-            controller.record_verify(r, 4, 4)
+            controller.record_verify(r.request_id, 4, 4)
     for _ in range(20):
         controller.record_step(0.010, 8, speculated=False, batch=8)
         controller.record_step(0.030, 16, speculated=True, batch=8)  # 1.5x per token
@@ -246,7 +243,7 @@ def test_a_loss_at_a_smaller_batch_carries_over_to_larger_ones():
     batch = [request(f"b{i}") for i in range(16)]
     for r in batch:
         for _ in range(10):
-            controller.record_verify(r, 4, 4)
+            controller.record_verify(r.request_id, 4, 4)
     for _ in range(20):
         controller.record_step(0.010, 8, speculated=False, batch=8)
         controller.record_step(0.030, 16, speculated=True, batch=8)
@@ -300,7 +297,7 @@ def test_a_retry_must_win_clearly_to_turn_speculation_back_on():
         feed(controller, a=0.003, b=0.0001, draft_cost=0.0)
         r = request("h")
         for _ in range(10):
-            controller.record_verify(r, 4, 4)
+            controller.record_verify(r.request_id, 4, 4)
         for _ in range(20):
             controller.record_step(0.0064, 2, speculated=True)  # 7% slower per token
             controller.record_step(0.003, 1, speculated=False)

@@ -11,15 +11,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from tokenmill.core.request import Request
+from tokenmill.core.step import ProposalRequest
 from tokenmill.model.loader import load_model
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculative.eagle import (
-    EagleHead,
-    EagleProposer,
-    load_eagle_head,
-    save_eagle_head,
-)
+from tokenmill.speculative.eagle.checkpoint import load_eagle_head, save_eagle_head
+from tokenmill.speculative.eagle.head import EagleHead
+from tokenmill.speculative.eagle.proposer import EagleProposer
 from tokenmill.train.eagle import EagleRecipe, target_record, train_eagle_head
 from tokenmill.train.presets import Phase, Schedule
 
@@ -63,12 +60,22 @@ def reference_logits(head: EagleHead, target, features: torch.Tensor, token_ids:
     return logits
 
 
-def check_proposal(proposal, head, target, features, request: Request, offset: int,
+def request(request_id: str, token_ids: list[int], params: SamplingParams) -> ProposalRequest:
+    return ProposalRequest(request_id, list(token_ids), params, 0, 0)
+
+
+def propose(proposer, requests: list[ProposalRequest], num_tokens: list[int]):
+    for r, k in zip(requests, num_tokens, strict=True):
+        r.num_tokens = k
+    return proposer.propose(requests)
+
+
+def check_proposal(proposal, head, target, features, request: ProposalRequest, offset: int,
                    num_tokens: int) -> None:
     assert len(proposal.token_ids) == num_tokens
-    expected = reference_logits(head, target, features, request.all_token_ids, offset,
+    expected = reference_logits(head, target, features, request.token_ids, offset,
                                 proposal.token_ids)
-    if request.sampling_params.temperature == 0:
+    if request.params.temperature == 0:
         assert proposal.probs is None
         assert proposal.token_ids == [int(row.argmax()) for row in expected]
     else:
@@ -119,17 +126,17 @@ def test_incremental_drafts_match_full_recompute_through_steps_and_rollback(
     setups = [(GREEDY, 13, 0), (SAMPLED, 9, 0), (GREEDY, 11, 5)]
     requests, offsets = [], []
     for index, (params, prompt_len, offset) in enumerate(setups):
-        request = Request(f"r{index}", sequences[index][:prompt_len], params, 0.0, 64)
+        r = request(f"r{index}", sequences[index][:prompt_len], params)
         # Chunked prefill: two observe() calls, then the sampled first token.
         middle = (offset + prompt_len) // 2
-        proposer.observe(request, offset, features[index][offset:middle])
-        proposer.observe(request, middle, features[index][middle:prompt_len])
-        request.append_token(sequences[index][prompt_len])
-        requests.append(request)
+        proposer.observe(r.request_id, offset, features[index][offset:middle])
+        proposer.observe(r.request_id, middle, features[index][middle:prompt_len])
+        r.token_ids.append(sequences[index][prompt_len])
+        requests.append(r)
         offsets.append(offset)
 
     def propose_and_check(num_tokens: list[int]) -> None:
-        proposals = proposer.propose(requests, num_tokens)
+        proposals = propose(proposer, requests, num_tokens)
         for i, proposal in enumerate(proposals):
             check_proposal(proposal, reference_head, target, features[i], requests[i],
                            offsets[i], num_tokens[i])
@@ -137,28 +144,28 @@ def test_incremental_drafts_match_full_recompute_through_steps_and_rollback(
 
     propose_and_check([3, 4, 2])
     for accepted in ([0, 2, 1], [3, 1, 0]):  # verification steps: accepted + 1 tokens each
-        for i, request in enumerate(requests):
-            start = request.num_tokens
-            request.all_token_ids.extend(sequences[i][start:start + accepted[i] + 1])
-            proposer.observe(request, start - 1, features[i][start - 1:start + accepted[i]])
+        for i, r in enumerate(requests):
+            start = len(r.token_ids)
+            r.token_ids.extend(sequences[i][start:start + accepted[i] + 1])
+            proposer.observe(r.request_id, start - 1, features[i][start - 1:start + accepted[i]])
         propose_and_check([4, 3, 2])
     propose_and_check([4, 3, 2])  # nothing changed: the same drafts again
 
     # Rollback: verified tokens cut back below what the head has processed...
-    for request in requests:
-        del request.all_token_ids[-4:]
+    for r in requests:
+        del r.token_ids[-4:]
     propose_and_check([2, 3, 4])
     # ...then continued with different tokens: nothing is drafted from the stale
     # features until the new positions' features are observed.
-    for i, request in enumerate(requests):
-        start = request.num_tokens
+    for i, r in enumerate(requests):
+        start = len(r.token_ids)
         sequences[i][start:] = torch.randint(1, vocab, (40 - start,), generator=generator).tolist()
         features[i] = features_of(hf_target, sequences[i])
-        request.all_token_ids.extend(sequences[i][start:start + 3])
-    assert [p.token_ids for p in proposer.propose(requests, [3, 3, 3])] == [[], [], []]
-    for i, request in enumerate(requests):
-        start = request.num_tokens - 3
-        proposer.observe(request, start - 1, features[i][start - 1:start + 2])
+        r.token_ids.extend(sequences[i][start:start + 3])
+    assert [p.token_ids for p in propose(proposer, requests, [3, 3, 3])] == [[], [], []]
+    for i, r in enumerate(requests):
+        start = len(r.token_ids) - 3
+        proposer.observe(r.request_id, start - 1, features[i][start - 1:start + 2])
     propose_and_check([3, 3, 3])
 
 
@@ -180,24 +187,23 @@ def test_save_load_round_trip_and_geometry_mismatch(target, head_dir, model_fact
 
 
 def test_full_pool_proposes_nothing_and_release_frees_every_block(target, hf_target, head_dir):
-    proposer = EagleProposer.load(head_dir, target, target.arch, torch.device("cpu"),
-                                   torch.float32, num_blocks=2, block_size=4)
+    proposer = EagleProposer.load(head_dir, target, num_blocks=2, block_size=4)
     tokens = list(range(1, 21))
     features = features_of(hf_target, tokens)
-    long = Request("long", tokens[:19], GREEDY, 0.0, 64)
-    short = Request("short", tokens[:3], SAMPLED, 0.0, 64)
-    proposer.observe(long, 0, features[:19])
-    proposer.observe(short, 0, features[:3])
-    long.append_token(tokens[19])
-    short.append_token(tokens[3])
+    long = request("long", tokens[:19], GREEDY)
+    short = request("short", tokens[:3], SAMPLED)
+    proposer.observe("long", 0, features[:19])
+    proposer.observe("short", 0, features[:3])
+    long.token_ids.append(tokens[19])
+    short.token_ids.append(tokens[3])
     # short: 3 pairs + 2 draft steps = 5 slots = both blocks; long cannot fit at all.
-    long_proposal, short_proposal = proposer.propose([long, short], [3, 3])
+    long_proposal, short_proposal = propose(proposer, [long, short], [3, 3])
     assert long_proposal.token_ids == [] and long_proposal.probs is None
     assert len(short_proposal.token_ids) == 3
     proposer.kv_manager.check_integrity()
     assert proposer.kv_manager.num_free_blocks == 0
     # Never observed: nothing to draft from.
-    assert proposer.propose([Request("new", [1, 2], GREEDY, 0.0, 8)], [2])[0].token_ids == []
+    assert propose(proposer, [request("new", [1, 2], GREEDY)], [2])[0].token_ids == []
     proposer.release("short")
     proposer.release("long")
     proposer.kv_manager.check_integrity()
@@ -215,7 +221,7 @@ def test_committed_pycoder_head_was_trained_for_the_committed_pycoder():
     proposer = EagleProposer(load_eagle_head(head_dir, target), target, num_blocks=4)
     hf_pycoder = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     prompt = list(range(100, 116))
-    request = Request("pycoder", prompt, GREEDY, 0.0, 8)
-    proposer.observe(request, 0, features_of(hf_pycoder, prompt))
-    request.append_token(7)
-    assert len(proposer.propose([request], [4])[0].token_ids) == 4
+    r = request("pycoder", prompt, GREEDY)
+    proposer.observe(r.request_id, 0, features_of(hf_pycoder, prompt))
+    r.token_ids.append(7)
+    assert len(propose(proposer, [r], [4])[0].token_ids) == 4

@@ -4,7 +4,6 @@ reports what it accepted."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.engine_run import run_staggered
 from tokenmill import SamplingParams
@@ -177,7 +176,7 @@ def test_eagle_restarting_on_recent_positions_keeps_greedy_output(llama_dir, eag
                                                                  reference, monkeypatch):
     """After a long backlog (here: any prompt over 8 tokens) the EAGLE head restarts on
     the latest positions; drafts change, the verified output does not."""
-    from tokenmill.speculative import eagle
+    from tokenmill.speculative.eagle import proposer as eagle
 
     monkeypatch.setattr(eagle, "MAX_CATCH_UP", 8)
     rebased = []
@@ -202,8 +201,8 @@ def test_draft_restarting_on_recent_tokens_keeps_greedy_output(llama_dir, refere
 
     def sync(self, request):
         shadow = real(self, request)
-        offsets.append(self.offsets[request.request_id])
-        assert shadow.all_token_ids == request.all_token_ids[offsets[-1]:]
+        offsets.append(shadow.offset)
+        assert shadow.all_token_ids == request.token_ids[offsets[-1]:]
         return shadow
 
     monkeypatch.setattr(draft.DraftModelProposer, "_sync", sync)
@@ -235,15 +234,16 @@ def test_eagle_with_gaps_in_the_features_keeps_greedy_output(llama_dir, eagle_he
 def test_draft_proposes_again_when_the_target_did_not_move(llama_dir):
     """A request left out of a step keeps its tokens; proposing for it again must
     rerun the draft from its last token, not find nothing to run."""
-    from tokenmill.core.request import Request
+    from tokenmill.core.step import ProposalRequest
+    from tokenmill.model.loader import load_model
     from tokenmill.speculative.draft import DraftModelProposer
 
-    proposer = DraftModelProposer(str(llama_dir), 384, torch.device("cpu"), torch.float32,
-                                  num_blocks=16, block_size=8)
-    request = Request("r", list(range(5, 25)), GREEDY, 0.0, 40)
-    first = proposer.propose([request], [4])[0].token_ids
-    assert proposer.propose([request], [4])[0].token_ids == first  # same tokens, same guess
-    request.append_token(first[0])
-    assert len(proposer.propose([request], [4])[0].token_ids) == 4
+    draft = load_model(llama_dir, "float32", "cpu", progress=False)
+    proposer = DraftModelProposer(draft, 384, num_blocks=16, block_size=8)
+    request = ProposalRequest("r", list(range(5, 25)), GREEDY, 0, 4)
+    first = proposer.propose([request])[0].token_ids
+    assert proposer.propose([request])[0].token_ids == first  # same tokens, same guess
+    request.token_ids.append(first[0])
+    assert len(proposer.propose([request])[0].token_ids) == 4
     proposer.release("r")
-    assert proposer.kv_manager.num_free_blocks == proposer.kv_manager.num_blocks
+    proposer.check_integrity(idle=True)

@@ -1,54 +1,72 @@
-"""Attention backend interface and the per-step metadata every backend reads.
+"""The attention-backend seam: a neutral batch layout in, each backend's own metadata
+and per-layer state behind it.
 
-The batch is one flattened sequence of tokens: all decode tokens first (one per
-request, or one plus its speculative tokens), then each prefill chunk. The metadata says where each request's tokens
-sit and which KV blocks hold its context; it is built once per step by the model
-runner and passed down explicitly (no globals).
+The model runner describes a step's flattened batch once (`BatchLayout`: where each
+request's tokens sit, how much context each has cached, which blocks hold it, the
+slot every new token's K/V goes to). A backend turns that into whatever metadata it
+needs (`build_metadata`), may keep per-layer state beside the paged KV cache
+(`allocate_state`), and computes one layer's attention given the layer's index. The
+model only calls `AttentionContext(layer_index, q, k, v, scale)`: it never knows which
+backend runs, so a new backend is a new file plus a registry entry (attention/registry.py).
+
+Batch order: requests in decode state first (one real token on a cached context, plus
+its speculative tokens), then prefill chunks.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from tokenmill.kv import KVCache
 
 
-@dataclass
-class PrefillChunk:
-    """One request's chunk of new tokens beyond its cached context."""
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The geometry a backend is built for."""
 
-    start: int  # offset of the chunk in the flattened batch
-    end: int
-    context_len: int  # tokens already in the KV cache before this chunk
-    block_table: torch.Tensor  # [num_blocks] physical block ids
-
-    @property
-    def seq_len(self) -> int:
-        return self.context_len + self.end - self.start
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
 
 
 @dataclass
-class AttentionMetadata:
+class BatchLayout:
+    """A step's flattened batch as every backend sees it (built by the runner)."""
+
+    # Offsets of each request's tokens in the batch ([R + 1]; request r owns tokens
+    # query_start[r] .. query_start[r + 1] - 1).
+    query_start: list[int]
+    # Tokens already in the cache before this step, per request.
+    context_lens: list[int]
+    # Physical blocks holding each request's tokens (at least up to its new ones).
+    block_tables: list[list[int]]
+    # Requests [0, num_decode_requests) are decodes; the rest are prefill chunks.
+    num_decode_requests: int
     # Physical cache slot (block_id * block_size + offset) of every token in the batch.
     slot_mapping: torch.Tensor  # [T] int64
-    num_decode_tokens: int
-    # Decode rows (tokens [0, num_decode_tokens)): padded block tables and lengths.
-    decode_block_tables: torch.Tensor | None  # [D, max_blocks] int64
-    decode_seq_lens: torch.Tensor | None  # [D] int64
-    # [D, 1, Q, max_blocks * block_size]: True where query q of a row may see a key.
-    decode_mask: torch.Tensor | None
-    prefills: list[PrefillChunk]
-    # Decode rows carry up to Q tokens (the last real token plus speculative ones).
-    # With Q > 1, row i's tokens sit at padded positions decode_query_index (i * Q + r)
-    # of a [D * Q] query grid.
-    decode_query_len: int = 1
-    decode_query_index: torch.Tensor | None = None
-    # decode_mask laid out for the attention backend's grouped query rows, by group
-    # size (filled by the backend on the first layer of a step, reused by the rest).
-    grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    block_size: int
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.context_lens)
+
+    @property
+    def query_lens(self) -> list[int]:
+        return [b - a for a, b in zip(self.query_start, self.query_start[1:], strict=False)]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.query_start[self.num_decode_requests]
+
+    @property
+    def device(self) -> torch.device:
+        return self.slot_mapping.device
 
 
 class AttentionBackend(ABC):
@@ -56,10 +74,21 @@ class AttentionBackend(ABC):
 
     name: str
 
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    def allocate_state(self, kv_caches: list[KVCache]) -> None:
+        """Called once with every layer's cache: allocate per-layer state beside it
+        (indexed like the cache's blocks, so it is reused and freed with them)."""
+        return None
+
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, metadata: AttentionMetadata, scale: float
-                ) -> torch.Tensor:
+    def build_metadata(self, layout: BatchLayout) -> Any:
+        """This backend's metadata for a step, built once and shared by every layer."""
+
+    @abstractmethod
+    def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, metadata: Any, scale: float) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, KVH, D]; kv_cache: this layer's paged cache.
 
         Writes k, v into the cache (quantizing them if the cache is quantized) and
@@ -67,3 +96,18 @@ class AttentionBackend(ABC):
         including its own chunk's, must be read as the cache holds it, so that a
         token's output does not depend on how the batch was chunked.
         """
+
+
+@dataclass
+class AttentionContext:
+    """What a model's attention layers call for one forward: the backend, its metadata
+    for this step and every layer's cache (None where a backend needs no cache)."""
+
+    backend: AttentionBackend
+    metadata: Any
+    kv_caches: list[KVCache] | None
+
+    def __call__(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+        cache = self.kv_caches[layer_index] if self.kv_caches is not None else None
+        return self.backend.forward(layer_index, q, k, v, cache, self.metadata, scale)

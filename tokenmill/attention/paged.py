@@ -9,63 +9,141 @@ quantized cache right after the gather.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.base import AttentionBackend, AttentionMetadata
+from tokenmill.attention.base import AttentionBackend, BatchLayout
 from tokenmill.kv import KVCache
+
+
+@dataclass
+class PrefillChunk:
+    """One request's chunk of new tokens beyond its cached context."""
+
+    start: int  # offset of the chunk in the flattened batch
+    end: int
+    context_len: int  # tokens already in the KV cache before this chunk
+    block_table: torch.Tensor  # [num_blocks] physical block ids
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + self.end - self.start
+
+
+@dataclass(frozen=True)
+class PagedMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    num_decode_tokens: int
+    # Decode rows (tokens [0, num_decode_tokens)): padded block tables, and where each
+    # row's queries may look: [D, 1, G * Q, max_blocks * block_size], laid out for the
+    # G query heads that share a KV head (see grouped_decode_attention).
+    decode_block_tables: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    prefills: list[PrefillChunk]
+    # Decode rows carry up to Q tokens (the last real token plus speculative ones).
+    # With Q > 1, row i's tokens sit at padded positions decode_query_index (i * Q + r)
+    # of a [D * Q] query grid.
+    decode_query_len: int = 1
+    decode_query_index: torch.Tensor | None = None
 
 
 class PagedAttention(AttentionBackend):
     name = "paged"
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, metadata: AttentionMetadata, scale: float
-                ) -> torch.Tensor:
+    def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
+        decode_rows = range(layout.num_decode_requests)
+        device = layout.device
+        query_lens = layout.query_lens
+        tables = query_len = index = mask = None
+        if layout.num_decode_requests:
+            tables, mask, query_len, index = self._decode_metadata(layout, decode_rows)
+        prefills = []
+        for row in range(layout.num_decode_requests, layout.num_requests):
+            start, seq_len = layout.query_start[row], layout.context_lens[row] + query_lens[row]
+            used = layout.block_tables[row][:-(-seq_len // layout.block_size)]
+            prefills.append(PrefillChunk(
+                start, start + query_lens[row], layout.context_lens[row],
+                torch.tensor(used, dtype=torch.int64, device=device)))
+        return PagedMetadata(layout.slot_mapping, layout.num_decode_tokens, tables, mask,
+                             prefills, query_len or 1, index)
+
+    def _decode_metadata(self, layout: BatchLayout, rows: range
+                         ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+        device = layout.device
+        tables = [layout.block_tables[r] for r in rows]
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        lengths_list = [layout.query_lens[r] for r in rows]
+        contexts = torch.tensor([layout.context_lens[r] for r in rows], dtype=torch.int64,
+                                device=device)
+        key_pos = torch.arange(width * layout.block_size, device=device)
+        query_len = max(lengths_list)
+        index = None
+        if query_len == 1:
+            mask = (key_pos[None, :] <= contexts[:, None])[:, None, None, :]
+        else:
+            # Query r of a row sees its context and the row's tokens up to r. Padding
+            # queries (rows shorter than query_len) copy the row's last query, so no
+            # row is fully masked; their outputs are dropped.
+            lengths = torch.tensor(lengths_list, dtype=torch.int64, device=device)
+            offsets = torch.arange(query_len, device=device)
+            last = torch.minimum(offsets[None, :], (lengths - 1)[:, None])
+            limit = contexts[:, None] + last  # [D, query_len]
+            mask = (key_pos[None, None, :] <= limit[:, :, None])[:, None]
+            index = torch.cat([row * query_len + torch.arange(n, device=device)
+                               for row, n in enumerate(lengths_list)])
+        group = self.spec.num_heads // self.spec.num_kv_heads
+        block_tables = torch.tensor(padded, dtype=torch.int64, device=device)
+        return block_tables, group_mask(mask, group), query_len, index
+
+    def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
         kv_cache.write(k, v, metadata.slot_mapping)
         out = torch.empty_like(q)
         num_decode = metadata.num_decode_tokens
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], kv_cache, metadata, scale)
         for chunk in metadata.prefills:
-            # [1, H, n, D]: with a batch dimension SDPA takes its fused CPU kernel
-            # (3-D inputs fall back to the unfused math path, 1.7x slower).
-            q_chunk = q[chunk.start:chunk.end].transpose(0, 1)[None]
-            if chunk.context_len == 0 and not kv_cache.quantized:
-                # Nothing cached: attend to the chunk's own fresh K/V (exactly what the
-                # cache holds when it stores the model dtype).
-                k_seq = k[chunk.start:chunk.end].transpose(0, 1)[None]
-                v_seq = v[chunk.start:chunk.end].transpose(0, 1)[None]
-                o = F.scaled_dot_product_attention(q_chunk, k_seq, v_seq, is_causal=True,
-                                                   scale=scale, enable_gqa=True)
-            else:
-                # Read back from the cache, the chunk included: a quantized cache's later
-                # readers see the dequantised values, so this chunk must too.
-                k_seq, v_seq = kv_cache.gather(chunk.block_table)
-                k_seq = k_seq[:chunk.seq_len].transpose(0, 1)[None]
-                v_seq = v_seq[:chunk.seq_len].transpose(0, 1)[None]
-                query_pos = torch.arange(chunk.context_len, chunk.seq_len, device=q.device)
-                key_pos = torch.arange(chunk.seq_len, device=q.device)
-                mask = key_pos[None, :] <= query_pos[:, None]  # [n, seq_len]
-                o = F.scaled_dot_product_attention(q_chunk, k_seq, v_seq, attn_mask=mask,
-                                                   scale=scale, enable_gqa=True)
-            out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+            out[chunk.start:chunk.end] = self._prefill(q, k, v, chunk, kv_cache, scale)
         return out
 
-    def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: AttentionMetadata,
+    @staticmethod
+    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk,
+                 kv_cache: KVCache, scale: float) -> torch.Tensor:
+        # [1, H, n, D]: with a batch dimension SDPA takes its fused CPU kernel
+        # (3-D inputs fall back to the unfused math path, 1.7x slower).
+        q_chunk = q[chunk.start:chunk.end].transpose(0, 1)[None]
+        if chunk.context_len == 0 and not kv_cache.quantized:
+            # Nothing cached: attend to the chunk's own fresh K/V (exactly what the
+            # cache holds when it stores the model dtype).
+            k_seq = k[chunk.start:chunk.end].transpose(0, 1)[None]
+            v_seq = v[chunk.start:chunk.end].transpose(0, 1)[None]
+            o = F.scaled_dot_product_attention(q_chunk, k_seq, v_seq, is_causal=True,
+                                               scale=scale, enable_gqa=True)
+        else:
+            # Read back from the cache, the chunk included: a quantized cache's later
+            # readers see the dequantised values, so this chunk must too.
+            k_seq, v_seq = kv_cache.gather(chunk.block_table)
+            k_seq = k_seq[:chunk.seq_len].transpose(0, 1)[None]
+            v_seq = v_seq[:chunk.seq_len].transpose(0, 1)[None]
+            query_pos = torch.arange(chunk.context_len, chunk.seq_len, device=q.device)
+            key_pos = torch.arange(chunk.seq_len, device=q.device)
+            mask = key_pos[None, :] <= query_pos[:, None]  # [n, seq_len]
+            o = F.scaled_dot_product_attention(q_chunk, k_seq, v_seq, attn_mask=mask,
+                                               scale=scale, enable_gqa=True)
+        return o[0].transpose(0, 1)
+
+    def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
                 scale: float) -> torch.Tensor:
         keys, values = kv_cache.gather(metadata.decode_block_tables)  # [D, L, KVH, Dh]
         rows, query_len = keys.shape[0], metadata.decode_query_len
-        group = q.shape[1] // keys.shape[2]
         if query_len > 1:  # rows' tokens into a [D * Q] grid (padding queries are zero)
             grid = q.new_zeros(rows * query_len, *q.shape[1:])
             grid.index_copy_(0, metadata.decode_query_index, q)
             q = grid
-        # Every layer of the step shares the mask laid out for the grouped rows.
-        mask = metadata.grouped_masks.get(group)
-        if mask is None:
-            mask = metadata.grouped_masks[group] = group_mask(metadata.decode_mask, group)
-        o = grouped_decode_attention(q, keys, values, mask, query_len, scale)
+        o = grouped_decode_attention(q, keys, values, metadata.decode_mask, query_len, scale)
         if query_len == 1:
             return o
         return o.index_select(0, metadata.decode_query_index)

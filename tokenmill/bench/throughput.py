@@ -39,7 +39,7 @@ class ThroughputResult:
 
 
 def engine_cost(engine: LLMEngine) -> ModelCost:
-    cost = ModelCost.of(engine.arch, engine.runner.kv_caches[0].compute_dtype.itemsize)
+    cost = ModelCost.of(engine.arch, engine.info.dtype_itemsize)
     # The KV read per token is what the pool stores: 1-byte codes + scales when quantized.
     plan = engine.kv_plan
     return dataclasses.replace(cost, kv_bytes_per_token=plan.bytes_per_block // plan.block_size)

@@ -18,12 +18,21 @@ from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-
-from tokenmill.core.request import Request
+from typing import Protocol
 
 logger = logging.getLogger(__name__)
 
 HashFn = Callable[[bytes | None, tuple[int, ...]], bytes]
+
+
+class Sequence(Protocol):
+    """What the block manager reads of a sequence of tokens: an engine `Request`, or a
+    speculative proposer's own view of one (a draft model's shadow, an EAGLE head's
+    pairs)."""
+
+    request_id: str
+    num_computed_tokens: int
+    all_token_ids: list[int]
 
 
 def chained_block_hash(parent: bytes | None, token_ids: tuple[int, ...]) -> bytes:
@@ -91,7 +100,7 @@ class KVCacheManager:
         return self.block_tables.get(request_id, [])
 
     # ---- prefix cache lookup -----------------------------------------------------------
-    def _hashes_for(self, request: Request, num_full_blocks: int) -> list[bytes]:
+    def _hashes_for(self, request: Sequence, num_full_blocks: int) -> list[bytes]:
         hashes = self._block_hashes.setdefault(request.request_id, [])
         tokens, size = request.all_token_ids, self.block_size
         while len(hashes) < num_full_blocks:
@@ -100,16 +109,15 @@ class KVCacheManager:
             hashes.append(self.hash_fn(parent, tuple(tokens[i * size:(i + 1) * size])))
         return hashes
 
-    def find_cached_blocks(self, request: Request) -> list[int]:
+    def find_cached_blocks(self, request: Sequence) -> list[int]:
         """Blocks already holding this request's leading tokens (full blocks only).
 
         At least one token is always left to compute, so that the step that computes it
         yields the logits of the next token.
         """
-        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
-            # Prompt logprobs need the logits of every prompt position: compute them all.
+        if not self.enable_prefix_caching:
             return []
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = (len(request.all_token_ids) - 1) // self.block_size
         hashes = self._hashes_for(request, max_blocks)
         tokens, size = request.all_token_ids, self.block_size
         found: list[int] = []
@@ -126,7 +134,7 @@ class KVCacheManager:
         return found
 
     # ---- allocation ----------------------------------------------------------------------
-    def allocate_slots(self, request: Request, num_new_tokens: int,
+    def allocate_slots(self, request: Sequence, num_new_tokens: int,
                        cached_blocks: list[int] | None = None) -> bool:
         """Make room for num_new_tokens beyond the request's computed tokens.
 
@@ -143,7 +151,7 @@ class KVCacheManager:
             return False
         table = self.block_tables.setdefault(request.request_id, table)
         if self.enable_prefix_caching and request.num_computed_tokens == 0 and not table:
-            self.prefix_queries += request.num_tokens
+            self.prefix_queries += len(request.all_token_ids)
             self.prefix_hits += len(cached_blocks) * self.block_size
         for block_id in cached_blocks:
             self._take(block_id)
@@ -174,7 +182,7 @@ class KVCacheManager:
             block.parent = None
             block.epoch += 1
 
-    def cache_full_blocks(self, request: Request) -> None:
+    def cache_full_blocks(self, request: Sequence) -> None:
         """Register the request's blocks that are full and computed in the prefix cache."""
         if not self.enable_prefix_caching:
             return
@@ -201,7 +209,7 @@ class KVCacheManager:
                 break  # same content cached in another block; keep this one private
         self._num_registered[request.request_id] = num_full
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Sequence) -> None:
         """Release the request's blocks (on finish, abort or preemption)."""
         table = self.block_tables.pop(request.request_id, [])
         self._num_registered.pop(request.request_id, None)
@@ -214,7 +222,7 @@ class KVCacheManager:
                 if block.block_hash is None:
                     self.free_queue.move_to_end(block_id, last=False)
 
-    def forget(self, request: Request) -> None:
+    def forget(self, request: Sequence) -> None:
         """Drop per-request hash state once the request is finished for good."""
         self._block_hashes.pop(request.request_id, None)
 

@@ -56,10 +56,9 @@ class Request:
             [None] if sampling_params.prompt_logprobs is not None else None)
         # Detokenized text so far (owned by the detokenizer).
         self.output_text = ""
-        # Speculative tokens proposed for this step (not yet verified) and, for sampled
-        # requests, the draft distribution each was drawn from ([k, vocab] or None).
+        # Speculative tokens proposed for this step, not yet verified (the proposer keeps
+        # the distributions sampled drafts were drawn from, beside the model).
         self.spec_token_ids: list[int] = []
-        self.spec_probs = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -80,6 +79,11 @@ class Request:
     @property
     def num_tokens_to_compute(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """Prompt logprobs need the logits of every prompt position: compute them all."""
+        return self.sampling_params.prompt_logprobs is None
 
     @property
     def is_finished(self) -> bool:

@@ -161,8 +161,6 @@ class Scheduler:
         keep = num_new - 1
         if keep < len(request.spec_token_ids):
             request.spec_token_ids = request.spec_token_ids[:keep]
-            if request.spec_probs is not None:
-                request.spec_probs = request.spec_probs[:keep] if keep else None
         return num_new
 
     def _latest_arrival(self) -> Request:
@@ -176,7 +174,7 @@ class Scheduler:
         self.kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
-        victim.spec_token_ids, victim.spec_probs = [], None
+        victim.spec_token_ids = []
         victim.metrics.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -193,7 +191,7 @@ class Scheduler:
             if request.waits_for_prefix:
                 index += 1
                 continue
-            cached = self.kv.find_cached_blocks(request)
+            cached = self.kv.find_cached_blocks(request) if request.uses_prefix_cache else []
             num_computed = len(cached) * self.kv.block_size
             num_new = self._num_new_tokens(request, num_computed)
             if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):

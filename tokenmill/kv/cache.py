@@ -39,6 +39,12 @@ class KVCache:
         return self.scales is not None
 
     @property
+    def nbytes(self) -> int:
+        """Bytes of the block pool, scales included."""
+        scales = self.scales.nbytes if self.scales is not None else 0
+        return self.data.nbytes + scales
+
+    @property
     def block_size(self) -> int:
         return self.data.shape[2]
 

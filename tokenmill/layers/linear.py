@@ -85,3 +85,12 @@ def linear_weight_bytes(model: nn.Module) -> int:
     """Bytes the Linear layers' weights occupy, in every form their methods keep."""
     return sum(module.method.weight_bytes(module) for module in model.modules()
                if isinstance(module, Linear))
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter in `model`, Linear weights counted in every form their
+    methods keep (a packed copy beside a tied embedding included)."""
+    linear_weights = {id(m.weight) for m in model.modules() if isinstance(m, Linear)}
+    others = sum(p.numel() * p.element_size() for p in model.parameters()
+                 if id(p) not in linear_weights)
+    return others + linear_weight_bytes(model)

@@ -1,10 +1,11 @@
 """Vectorised sampling over a batch of logits rows, with OpenAI/vLLM semantics.
 
-Order: banned tokens (min_tokens) -> penalties -> greedy argmax, or temperature ->
-min_p -> top_k -> top_p -> inverse-CDF draw. Each row draws its random number from
-its own generator when the request has a seed, so a seeded request samples the same
-tokens whatever else shares the batch. Logprobs are those of the raw model
-distribution (before penalties and temperature), as vLLM reports them.
+The logits arrive after the requests' logits processors (layers/logits_processors.py:
+banned tokens, penalties). Then: greedy argmax, or temperature -> min_p -> top_k ->
+top_p -> inverse-CDF draw. Each row draws its random number from its own generator
+when the request has a seed, so a seeded request samples the same tokens whatever
+else shares the batch. Logprobs are those of the raw model distribution (before
+processors and temperature), as vLLM reports them.
 """
 
 from __future__ import annotations
@@ -23,14 +24,6 @@ class SamplingBatch:
     top_p: torch.Tensor  # [B] float
     min_p: torch.Tensor  # [B] float
     generators: list[torch.Generator | None]  # per row; None: the shared generator
-    # Penalties (None when no row uses them).
-    presence: torch.Tensor | None = None  # [B]
-    frequency: torch.Tensor | None = None  # [B]
-    repetition: torch.Tensor | None = None  # [B]
-    output_counts: torch.Tensor | None = None  # [B, V] occurrences in the output so far
-    seen_in_prompt: torch.Tensor | None = None  # [B, V] bool
-    # (row, token ids) that must not be sampled yet (min_tokens keeps EOS away).
-    banned: list[tuple[int, list[int]]] | None = None
     num_logprobs: int | None = None  # top alternatives to report (max over rows)
 
     @property
@@ -47,51 +40,20 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, N]
 
 
-def build_sampling_batch(params: list[SamplingParams], histories: list[tuple[list[int], list[int]]],
-                         banned: list[tuple[int, list[int]]], generators: list[torch.Generator | None],
+def build_sampling_batch(params: list[SamplingParams], generators: list[torch.Generator | None],
                          vocab_size: int, device: torch.device) -> SamplingBatch:
-    """histories: (prompt ids, output ids) per row, read only when a row uses penalties."""
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
 
-    batch = SamplingBatch(
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingBatch(
         temperature=column([p.temperature for p in params], torch.float32),
         top_k=column([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
         top_p=column([p.top_p for p in params], torch.float32),
         min_p=column([p.min_p for p in params], torch.float32),
         generators=generators,
-        banned=banned or None,
+        num_logprobs=max(wanted) if wanted else None,
     )
-    wanted = [p.logprobs for p in params if p.logprobs is not None]
-    batch.num_logprobs = max(wanted) if wanted else None
-    if any(p.uses_penalties for p in params):
-        rows = len(params)
-        counts = torch.zeros(rows, vocab_size, dtype=torch.float32, device=device)
-        in_prompt = torch.zeros(rows, vocab_size, dtype=torch.bool, device=device)
-        for row, (prompt_ids, output_ids) in enumerate(histories):
-            if not params[row].uses_penalties:
-                continue
-            if output_ids:
-                ids = torch.tensor(output_ids, dtype=torch.int64, device=device)
-                counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.float32))
-            if prompt_ids:
-                in_prompt[row, torch.tensor(prompt_ids, dtype=torch.int64, device=device)] = True
-        batch.presence = column([p.presence_penalty for p in params], torch.float32)
-        batch.frequency = column([p.frequency_penalty for p in params], torch.float32)
-        batch.repetition = column([p.repetition_penalty for p in params], torch.float32)
-        batch.output_counts, batch.seen_in_prompt = counts, in_prompt
-    return batch
-
-
-def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    counts = batch.output_counts
-    seen = batch.seen_in_prompt | (counts > 0)
-    rep = batch.repetition.unsqueeze(1)
-    # Repetition penalty (CTRL-style, on prompt and output tokens): shrink toward zero.
-    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    # OpenAI presence/frequency penalties on output tokens only.
-    logits = logits - batch.frequency.unsqueeze(1) * counts
-    return logits - batch.presence.unsqueeze(1) * (counts > 0).float()
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -122,14 +84,10 @@ def draw_uniforms(generators: list[torch.Generator | None], shared: torch.Genera
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator) -> SamplerOutput:
-    raw_logprobs = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
-    if batch.banned:
-        logits = logits.clone()
-        for row, token_ids in batch.banned:
-            logits[row, token_ids] = float("-inf")
-    if batch.output_counts is not None:
-        logits = apply_penalties(logits, batch)
+def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator,
+           raw_logprobs: torch.Tensor | None = None) -> SamplerOutput:
+    """Choose a token per row of (processed) logits; raw_logprobs, the model's own
+    log-distribution, is what logprobs are reported from (when the batch asks)."""
     token_ids = logits.argmax(dim=-1)
     if not batch.all_greedy:
         sorted_logits, order = filter_logits(logits, batch)
@@ -139,7 +97,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator) 
         sampled = order.gather(1, index).squeeze(1)
         token_ids = torch.where(batch.temperature > 0, sampled, token_ids)
     out = SamplerOutput(token_ids=token_ids)
-    if raw_logprobs is not None:
+    if batch.num_logprobs is not None:
+        if raw_logprobs is None:
+            raw_logprobs = logits.log_softmax(dim=-1)
         out.logprobs, out.ranks, out.top_ids, out.top_logprobs = token_logprobs(
             raw_logprobs, token_ids, batch.num_logprobs)
     return out

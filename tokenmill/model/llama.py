@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.attention.base import AttentionBackend, AttentionMetadata
-from tokenmill.kv import KVCache
+from tokenmill.attention.base import AttentionContext
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
@@ -32,8 +31,9 @@ STACKED_PARAMS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, layer_index: int) -> None:
         super().__init__()
+        self.layer_index = layer_index
         self.num_heads, self.num_kv_heads, self.head_dim = (
             arch.num_heads, arch.num_kv_heads, arch.head_dim)
         self.q_size = self.num_heads * self.head_dim
@@ -52,8 +52,7 @@ class Attention(nn.Module):
         return slice(start, start + size)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                kv_cache: KVCache, metadata: AttentionMetadata, backend: AttentionBackend
-                ) -> torch.Tensor:
+                attention: AttentionContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
@@ -63,7 +62,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
-        out = backend.forward(q, k, v.contiguous(), kv_cache, metadata, self.scale)
+        out = attention(self.layer_index, q, k, v.contiguous(), self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -88,18 +87,16 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, mlp: nn.Module) -> None:
+    def __init__(self, arch: ArchConfig, mlp: nn.Module, layer_index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(arch)
+        self.self_attn = Attention(arch, layer_index)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                kv_cache: KVCache, metadata: AttentionMetadata, backend: AttentionBackend
-                ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), kv_cache,
-                                         metadata, backend)
+                attention: AttentionContext) -> torch.Tensor:
+        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), attention)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
@@ -111,8 +108,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = (None if arch.tie_word_embeddings
                              else nn.Embedding(arch.vocab_size, arch.hidden_size))
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
-        self.layers = nn.ModuleList(DecoderLayer(arch, build_mlp())
-                                    for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, build_mlp(), index)
+                                    for index in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
 
@@ -146,13 +143,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[KVCache], metadata: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+                attention: AttentionContext) -> torch.Tensor:
         """Final hidden states [T, hidden] for a flattened batch of T tokens."""
         hidden = self.embed(input_ids)
         rope = self.model.rotary(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, metadata, backend)
+        for layer in self.model.layers:
+            hidden = layer(rope, hidden, attention)
         return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

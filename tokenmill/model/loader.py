@@ -47,6 +47,11 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return _DTYPES[dtype]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The config spelling of a torch dtype (the inverse of resolve_dtype)."""
+    return next(name for name, value in _DTYPES.items() if value == dtype)
+
+
 def read_config(model_dir: str | Path) -> ArchConfig:
     path = Path(model_dir)
     if not (path / "config.json").is_file():

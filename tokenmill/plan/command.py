@@ -1,5 +1,5 @@
 """`tokenmill plan memory`: weights + KV + activations for a context and concurrency,
-and whether they fit. The arithmetic is `tokenmill.engine.memory`'s, the same the
+and whether they fit. The arithmetic is `tokenmill.worker.memory`'s, the same the
 engine sizes its KV pool with."""
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ def add_plan_subcommand(sub: argparse._SubParsersAction) -> None:
 def cmd_plan_memory(args: argparse.Namespace) -> int:
     """Prints the plan; exit status 0 when it fits, 1 when it does not, 2 on bad input."""
     from tokenmill.cli import engine_config_from_args
-    from tokenmill.engine.memory import available_memory, plan_memory
     from tokenmill.model.loader import read_config, resolve_device, resolve_dtype
+    from tokenmill.worker.memory import available_memory, plan_memory
 
     try:
         config = engine_config_from_args(args)

@@ -1,14 +1,14 @@
 """StepTracer: where each engine step's time goes, as Chrome/Perfetto trace JSON.
 
-The engine and runner call the tracer at phase boundaries when one is attached
-(`engine.tracer` / `engine.runner.tracer`, both None by default):
+The engine and its worker call the tracer at phase boundaries when one is attached
+(`engine.tracer` and, through the executor, the worker's; None by default):
 
     begin_step()                      step starts
     scheduled(sched, running, waiting)  end of "schedule"; records the batch composition
-    mark("prepare_inputs")            end of input preparation (runner)
-    mark("forward")                   end of the model forward (runner)
-    mark("logits")                    end of the LM head / prompt logprobs (runner)
-    mark("sample")                    end of sampling (runner)
+    mark("prepare_inputs")            end of input preparation (worker)
+    mark("forward")                   end of the model forward (worker)
+    mark("logits")                    end of the LM head / prompt logprobs (worker)
+    mark("sample")                    end of sampling (worker)
     end_step()                        end of "output" (request updates, detokenisation)
 
 Each mark closes the phase that began at the previous boundary, so a step's phases
@@ -62,9 +62,13 @@ class StepTracer:
 
     # ---- attaching ------------------------------------------------------------------------
     def attach(self, engine) -> StepTracer:
-        engine.runner.tracer = self
+        """Trace `engine`'s steps; raises ValueError when its executor cannot report the
+        worker's phases (a worker in another process)."""
+        engine.executor.set_tracer(self)
         engine.tracer = self
-        if self.sync is None and getattr(engine.device, "type", "cpu") == "cuda":
+        if engine.speculation is not None:
+            engine.speculation.tracer = self
+        if self.sync is None and engine.info.device_type == "cuda":
             import torch
 
             self.sync = torch.cuda.synchronize
@@ -72,7 +76,9 @@ class StepTracer:
 
     def detach(self, engine) -> None:
         engine.tracer = None
-        engine.runner.tracer = None
+        engine.executor.set_tracer(None)
+        if engine.speculation is not None:
+            engine.speculation.tracer = None
         self._stop_torch_profiler()
 
     # ---- called by the engine and runner -------------------------------------------------------

@@ -1,11 +1,12 @@
-"""The proposer interface every speculative method implements.
+"""The proposer interface every speculative method implements (worker side).
 
 A proposer guesses the next few tokens of running requests; the target model then
-checks all guesses of all requests in one forward pass (`tokenmill.speculative.verify`).
-Proposers own whatever state they need (a draft model's paged KV, an EAGLE head's
-features) and must tolerate rollback: after verification a request's tokens may
-end earlier than what the proposer last saw, and the proposer has to notice that
-from `request.all_token_ids` and drop the stale tail of its state.
+checks all guesses of all requests in one forward pass (`layers/rejection_sampler.py`).
+Proposers live in the worker, beside the model, and own whatever state they need (a
+draft model's paged KV, an EAGLE head's features); they see requests only as plain
+`ProposalRequest`s. They must tolerate rollback: after verification a request's
+tokens may end earlier than what the proposer last saw, and the proposer has to
+notice that from the request's token ids and drop the stale tail of its state.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.core.request import Request
+from tokenmill.core.step import ProposalRequest
 
 # Most verified positions one catch-up runs for a request: after a longer gap (a new
 # prompt, or a stretch without speculation) a stateful proposer restarts on the
@@ -29,7 +30,7 @@ class Proposal:
     token_ids: list[int]
     # [len(token_ids), vocab] float32: the draft distribution q each token was drawn
     # from, after the request's own temperature / min-p / top-k / top-p processing
-    # (`tokenmill.speculative.verify.processed_probs`). None when the proposal is
+    # (`layers/rejection_sampler.processed_probs`). None when the proposal is
     # deterministic (n-gram lookup, or greedy requests): q is then one-hot.
     probs: torch.Tensor | None = None
 
@@ -40,22 +41,30 @@ class Proposer(ABC):
     needs_hidden_states: bool = False
 
     @abstractmethod
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
-        """Up to num_tokens[i] (>= 1) draft tokens continuing requests[i].all_token_ids.
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        """Up to requests[i].num_tokens (>= 1) draft tokens continuing its token ids.
 
         May return fewer (or none) for a request: nothing is lost, that request just
         decodes one token this step.
         """
 
-    def observe(self, request: Request, first_position: int, hidden: torch.Tensor) -> None:
+    def observe(self, request_id: str, first_position: int, hidden: torch.Tensor) -> None:
         """Target hidden states (after the final norm, [n, hidden]) of positions
-        first_position .. first_position + n - 1 of `request`, whose tokens are now
+        first_position .. first_position + n - 1 of the request, whose tokens are now
         verified (prefill chunks and accepted decode positions)."""
         return None  # only feature-level proposers (EAGLE) need them
 
     def release(self, request_id: str) -> None:
         """The request finished or was preempted: drop its state and free its KV."""
         return None  # stateless proposers (n-gram) hold nothing
+
+    def check_integrity(self, idle: bool = False) -> None:
+        """Check the proposer's own cache structures; idle: no request holds any."""
+        return None
+
+    def memory_bytes(self) -> tuple[int, int]:
+        """(weight bytes, KV cache bytes) the proposer holds beside the target."""
+        return 0, 0
 
 
 class DraftSampler:
@@ -73,8 +82,8 @@ class DraftSampler:
         self.shared = torch.Generator().manual_seed(seed)
         self._own: dict[str, torch.Generator] = {}
 
-    def draw(self, q: torch.Tensor, request: Request) -> int:
-        seed = request.sampling_params.seed
+    def draw(self, q: torch.Tensor, request: ProposalRequest) -> int:
+        seed = request.params.seed
         generator = self.shared
         if seed is not None:
             generator = self._own.get(request.request_id)

@@ -45,50 +45,21 @@ proposer is not fed hidden states (see wants_features).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.config import SpecConfig
 from tokenmill.core.request import Request
+from tokenmill.speculative.costs import StepCostFit, expected_tokens
+from tokenmill.speculative.guard import Guard
 
 # Prior acceptance: 1.2 accepted of 2 tried (α = 0.6), and how fast evidence fades
 # (per request, and over all requests).
 PRIOR_ACCEPTED, PRIOR_TRIED, DECAY = 1.2, 2.0, 0.9
 OVERALL_DECAY = 0.98
-# Until the fit sees steps of different sizes: one extra token costs 5% of a step.
-PRIOR_TOKEN_COST = 0.05
-# A guard retry measures this many speculative steps, and may cost this share of
-# the steps between retries (in plain-step time, by the last measured loss).
-RETRY_STEPS, RETRY_BUDGET = 3, 0.01
-# The longest wait between retries, in probe intervals (of the batch-size class's
-# own steps): a proposer whose steps cost many plain ones is still retried now and
-# then, since the text it drafts for may have changed.
-LONGEST_WAIT = 64
-# Speculation stays on only while its steps measure at least this much faster per
-# emitted token than plain ones: a near-tie is within the step-timing noise, and
-# speculating has costs the step timings do not show (planning, proposer state).
-GUARD_MARGIN = 0.03
-# After speculation was measured losing, a retry turns it back on only when it
-# measures this much faster: 3 steps are a small sample, and a proposer near
-# break-even would otherwise win a retry now and then by noise alone, then lose
-# for as long as its decayed figure takes to show it again.
-RETRY_MARGIN = 0.06
-# Where speculation measures at least this much faster per token, the plain steps
-# that keep the baseline fresh come REFRESH_STRETCH times less often: a stale
-# baseline can only make the guard more cautious (plain steps slow down as contexts
-# grow), and each plain step forgoes most of a large gain.
-CLEAR_WIN, REFRESH_STRETCH = 0.2, 4
 # While the guard keeps speculation off, a feature-level proposer (EAGLE) is not fed
 # the target's hidden states, except for this many steps before a retry.
 FEATURE_LEAD = 8
-
-
-def expected_tokens(alpha: float, k: int) -> float:
-    """Expected tokens emitted by one verification of k drafts at acceptance alpha."""
-    if alpha >= 1.0:
-        return k + 1.0
-    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
 @dataclass
@@ -101,135 +72,8 @@ class RequestSpecState:
         return self.accepted / self.tried
 
 
-class StepCostFit:
-    """Exponentially weighted least squares of forward seconds = a + b * tokens."""
-
-    def __init__(self, decay: float = 0.98) -> None:
-        self.decay = decay
-        self.n = self.sx = self.sy = self.sxx = self.sxy = 0.0
-
-    def add(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self.n = d * self.n + 1.0
-        self.sx = d * self.sx + tokens
-        self.sy = d * self.sy + seconds
-        self.sxx = d * self.sxx + tokens * tokens
-        self.sxy = d * self.sxy + tokens * seconds
-
-    def coefficients(self) -> tuple[float, float] | None:
-        """(a, b), or None before any step was seen."""
-        if self.n == 0:
-            return None
-        mean_x, mean_y = self.sx / self.n, self.sy / self.n
-        var_x = self.sxx / self.n - mean_x * mean_x
-        if var_x < 0.25:  # all steps had (nearly) the same size: no slope yet
-            b = PRIOR_TOKEN_COST * mean_y / max(mean_x, 1.0)
-        else:
-            b = max((self.sxy / self.n - mean_x * mean_y) / var_x, 0.0)
-        a = max(mean_y - b * mean_x, 0.0)
-        return a, b
-
-
-class StepRate:
-    """Exponentially weighted seconds per emitted token (and per step)."""
-
-    def __init__(self, decay: float = 0.9) -> None:
-        self.decay = decay
-        self.seconds = 0.0
-        self.tokens = 0.0
-        self.weight = 0.0  # decayed step count
-        self.samples = 0
-
-    def add(self, seconds: float, tokens: int) -> None:
-        self.seconds = self.decay * self.seconds + seconds
-        self.tokens = self.decay * self.tokens + tokens
-        self.weight = self.decay * self.weight + 1.0
-        self.samples += 1
-
-    @property
-    def per_token(self) -> float | None:
-        return self.seconds / self.tokens if self.samples >= 3 and self.tokens else None
-
-    @property
-    def tokens_per_step(self) -> float:
-        return self.tokens / self.weight if self.weight else 0.0
-
-
 def _identity(rows: int) -> int:
     return rows
-
-
-class Guard:
-    """Measured seconds per emitted token of plain and speculative decode steps (of
-    one batch-size class), and the retry schedule while speculation loses. Steps are
-    counted per class: a class that is rarely seen is not retried on each visit."""
-
-    def __init__(self, probe_interval: int, presumed_losing_wait: int | None = None) -> None:
-        self.probe_interval = probe_interval
-        self.plain_rate = StepRate()
-        self.spec_rate = StepRate()
-        self.steps = 0  # plans made for this class
-        self.last_probe = 0
-        self.interval = probe_interval
-        self.backing_off = False
-        # Set when the nearest smaller batch-size class has speculation off: this one
-        # starts off (waiting as long as that one does) without paying to learn it;
-        # cleared by its first retry.
-        self.presumed_losing = presumed_losing_wait is not None
-        if presumed_losing_wait is not None:
-            self.backing_off, self.interval = True, presumed_losing_wait
-
-    def record(self, seconds: float, num_emitted: int, speculated: bool) -> None:
-        (self.spec_rate if speculated else self.plain_rate).add(seconds, num_emitted)
-
-    def refresh_interval(self) -> int:
-        """Steps between the plain steps that keep the baseline fresh."""
-        plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
-        if plain is not None and spec is not None and spec <= plain * (1.0 - CLEAR_WIN):
-            return REFRESH_STRETCH * self.probe_interval
-        return self.probe_interval
-
-    @property
-    def losing(self) -> bool:
-        plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
-        if spec is None:
-            return self.presumed_losing
-        margin = RETRY_MARGIN if self.backing_off else GUARD_MARGIN
-        return plain is not None and spec > plain * (1.0 - margin)
-
-    def retry_wait(self) -> int:
-        """Steps between retries for which a retry (RETRY_STEPS speculative steps at
-        the last measured loss) costs RETRY_BUDGET of their time. A speculative step
-        emits more tokens than a plain one, and its loss is on each of them."""
-        plain, spec = self.plain_rate.per_token, self.spec_rate.per_token
-        if plain is None or spec is None or plain <= 0.0:
-            return self.probe_interval
-        loss = spec / plain - (1.0 - GUARD_MARGIN)
-        emitted = self.spec_rate.tokens_per_step / max(self.plain_rate.tokens_per_step, 1e-9)
-        return math.ceil(RETRY_STEPS * max(loss, 0.0) * max(emitted, 1.0) / RETRY_BUDGET)
-
-    def allows(self, step: int) -> bool:
-        """Whether step `step` may speculate. While speculation loses: off; after a
-        while, retry: forget the old verdict and measure speculation afresh for a few
-        steps (the verdict may come from a stretch of text that did not speculate
-        well, or from cold caches). The wait doubles while retries keep losing (a
-        step of an expensive proposer costs several plain steps) and lets a retry
-        cost at most RETRY_BUDGET at the loss last measured."""
-        if not self.losing:
-            if self.backing_off and self.spec_rate.per_token is not None:
-                self.backing_off, self.interval = False, self.probe_interval  # won again
-            return True
-        longest = LONGEST_WAIT * self.probe_interval
-        if not self.backing_off:
-            self.backing_off, self.last_probe = True, step
-            self.interval = min(max(self.interval, self.retry_wait()), longest)
-        if step - self.last_probe < self.interval:
-            return False
-        self.last_probe = step
-        self.interval = min(max(2 * self.interval, self.retry_wait()), longest)
-        self.spec_rate = StepRate()
-        self.presumed_losing = False
-        return True
 
 
 class SpecController:
@@ -255,10 +99,10 @@ class SpecController:
     def release(self, request_id: str) -> None:
         self.states.pop(request_id, None)
 
-    def state(self, request: Request) -> RequestSpecState:
-        state = self.states.get(request.request_id)
+    def state(self, request_id: str) -> RequestSpecState:
+        state = self.states.get(request_id)
         if state is None:
-            state = self.states[request.request_id] = RequestSpecState()
+            state = self.states[request_id] = RequestSpecState()
             if self.overall.tried >= PRIOR_TRIED:
                 # Start from what this proposer has been achieving lately, not from the
                 # optimistic prior: a proposer that rarely agrees with the target
@@ -313,8 +157,8 @@ class SpecController:
             return True
         return guard.steps - guard.last_probe >= guard.interval - FEATURE_LEAD
 
-    def record_verify(self, request: Request, num_drafted: int, num_accepted: int) -> None:
-        state = self.state(request)
+    def record_verify(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
+        state = self.state(request_id)
         tried = num_accepted + (1 if num_accepted < num_drafted else 0)
         state.accepted = DECAY * state.accepted + num_accepted
         state.tried = DECAY * state.tried + tried
@@ -357,7 +201,7 @@ class SpecController:
         probing = phase == self.probe_interval // 2
         plan = []
         for request, limit in zip(requests, limits, strict=True):
-            state = self.state(request)
+            state = self.state(request.request_id)
             k = self._best_k(state.alpha, share, fixed, extra, min(self.max_k, limit))
             if k == 0 and limit > 0 and probing:
                 k = 1

@@ -1,46 +1,63 @@
-"""Build the configured proposer (or None when speculative decoding is off)."""
+"""Build the configured proposer in the worker (or None when speculation is off),
+through the method's module named in `registry.py`."""
 
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.layers.linear import LinearSelector
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import LoadedModel
 from tokenmill.speculative.base import Proposer
+from tokenmill.speculative.registry import SPECULATIVE_METHODS
 
 
-def default_speculative_model(config: EngineConfig) -> Path:
-    """draft: "<model>-draft" beside the target; eagle: "<model>/eagle"."""
-    target = Path(config.model.model)
-    if config.spec.speculative_method == "draft":
-        return target.with_name(target.name + "-draft")
-    return target / "eagle"
+@dataclass
+class ProposerContext:
+    config: EngineConfig
+    target_arch: ArchConfig
+    device: torch.device
+    dtype: torch.dtype
+    # The method's model directory (None for methods without one).
+    model_dir: Path | None
+    # Set when building: the loaded target, the KV pool size, the kernels to use.
+    target: LoadedModel | None = None
+    num_blocks: int = 0
+    select_linear: LinearSelector | None = None
+    progress: bool = False
 
 
-def build_proposer(config: EngineConfig, arch: ArchConfig, target: LoadedModel,
-                   num_blocks: int, progress: bool = False,
-                   select_linear: LinearSelector | None = None) -> Proposer | None:
-    spec = config.spec
-    method = spec.speculative_method
-    if method is None:
+def proposer_context(config: EngineConfig, target_arch: ArchConfig, device: torch.device,
+                     dtype: torch.dtype) -> ProposerContext | None:
+    """What the configured method is built from; None when speculation is off.
+
+    Raises ValueError when the method's model directory does not exist.
+    """
+    name = config.spec.speculative_method
+    if name is None:
         return None
-    if method == "ngram":
-        from tokenmill.speculative.ngram import NgramProposer
-        return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)
-    path = Path(spec.speculative_model) if spec.speculative_model else (
-        default_speculative_model(config))
-    if not (path / "config.json").is_file():
-        raise ValueError(f"speculative_model: {str(path)!r} is not a {method} model directory "
-                         "(no config.json); pass --speculative-model")
-    if method == "draft":
-        from tokenmill.speculative.draft import DraftModelProposer
-        return DraftModelProposer(str(path), arch.vocab_size, target.device, target.dtype,
-                                  num_blocks, config.cache.block_size, spec.draft_micro_batch,
-                                  seed=config.model.seed, progress=progress,
-                                  select_linear=select_linear)
-    from tokenmill.speculative.eagle import EagleProposer
-    return EagleProposer.load(str(path), target.model, arch, target.device, target.dtype,
-                              num_blocks, config.cache.block_size, spec.draft_micro_batch,
-                              seed=config.model.seed, select_linear=select_linear)
+    method = SPECULATIVE_METHODS[name]
+    model_dir = method.model_dir(config.model.model, config.spec.speculative_model)
+    if model_dir is not None and not (model_dir / "config.json").is_file():
+        raise ValueError(f"speculative_model: {str(model_dir)!r} is not a {name} model "
+                         "directory (no config.json); pass --speculative-model")
+    return ProposerContext(config, target_arch, device, dtype, model_dir)
+
+
+def _module(context: ProposerContext):
+    return importlib.import_module(
+        SPECULATIVE_METHODS[context.config.spec.speculative_method].module)
+
+
+def proposer_arch(context: ProposerContext | None) -> ArchConfig | None:
+    """The shape of the proposer's own model (its KV and weights), or None."""
+    return _module(context).proposer_arch(context) if context is not None else None
+
+
+def build_proposer(context: ProposerContext | None) -> Proposer | None:
+    return _module(context).build_proposer(context) if context is not None else None

@@ -9,10 +9,15 @@ guesses right at the cost of a search; when nothing matches it proposes nothing.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from tokenmill.core.request import Request
+from tokenmill.core.step import ProposalRequest
 from tokenmill.speculative.base import Proposal, Proposer
+
+if TYPE_CHECKING:
+    from tokenmill.speculative.factory import ProposerContext
 
 
 def ngram_lookup(tokens: np.ndarray, max_n: int, min_n: int, k: int) -> list[int]:
@@ -56,7 +61,16 @@ class NgramProposer(Proposer):
         self.max_n = max_n
         self.min_n = min_n
 
-    def propose(self, requests: list[Request], num_tokens: list[int]) -> list[Proposal]:
-        return [Proposal(ngram_lookup(np.asarray(r.all_token_ids, dtype=np.int64),
-                                      self.max_n, self.min_n, k))
-                for r, k in zip(requests, num_tokens, strict=True)]
+    def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
+        return [Proposal(ngram_lookup(np.asarray(r.token_ids, dtype=np.int64),
+                                      self.max_n, self.min_n, r.num_tokens))
+                for r in requests]
+
+
+def proposer_arch(context: ProposerContext) -> None:
+    return None  # no model: nothing in the KV pool or the weights
+
+
+def build_proposer(context: ProposerContext) -> NgramProposer:
+    spec = context.config.spec
+    return NgramProposer(spec.prompt_lookup_max, spec.prompt_lookup_min)

@@ -36,20 +36,19 @@ from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
-from tokenmill.core.request import Request
+from tokenmill.core.step import ProposalRequest
 from tokenmill.model.loader import load_model, read_config
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.base import Proposer
-from tokenmill.speculative.eagle import (
+from tokenmill.speculative.eagle.checkpoint import (
     WEIGHTS_FILE,
-    EagleHead,
-    EagleProposer,
-    head_arch,
     load_eagle_head,
     load_head_weights,
     read_head_config,
     save_eagle_head,
 )
+from tokenmill.speculative.eagle.head import EagleHead, head_arch
+from tokenmill.speculative.eagle.proposer import EagleProposer
 from tokenmill.train.clock import TrainingClock, learning_rate
 from tokenmill.train.curve import plot_loss_curve
 from tokenmill.train.eagle_card import render_eagle_card
@@ -208,27 +207,30 @@ def simulate_greedy_drafting(proposer: Proposer, target: PreTrainedModel,
     features = target.model(input_ids=sequences).last_hidden_state
     rows, length = sequences.tolist(), sequences.shape[1]
     params = SamplingParams(temperature=0.0, max_tokens=length)
-    live: list[tuple[Request, int]] = []
+    live: list[tuple[ProposalRequest, int]] = []
     for index, row in enumerate(rows):
         # As after prefill: the prompt's positions are computed and one token sampled.
-        request = Request(f"eagle-sim-{index}", row[:prompt_len + 1], params, 0.0, length)
-        proposer.observe(request, 0, features[index, :prompt_len])
+        request = ProposalRequest(f"eagle-sim-{index}", row[:prompt_len + 1], params, 0,
+                                  draft_len)
+        proposer.observe(request.request_id, 0, features[index, :prompt_len])
         live.append((request, index))
     accepted_counts: list[int] = []
     while live:
         for request, _ in live:
-            if request.num_tokens + draft_len > length:
+            if len(request.token_ids) + draft_len > length:
                 proposer.release(request.request_id)
-        live = [(r, i) for r, i in live if r.num_tokens + draft_len <= length]
-        proposals = proposer.propose([r for r, _ in live], [draft_len] * len(live))
+        live = [(r, i) for r, i in live if len(r.token_ids) + draft_len <= length]
+        proposals = proposer.propose([r for r, _ in live])
         for (request, index), proposal in zip(live, proposals, strict=True):
-            start, upcoming = request.num_tokens, rows[index][request.num_tokens:]
+            start = len(request.token_ids)
+            upcoming = rows[index][start:]
             accepted = next((depth for depth, (drafted, actual)
                              in enumerate(zip(proposal.token_ids, upcoming, strict=False))
                              if drafted != actual), len(proposal.token_ids))
             accepted_counts.append(accepted)
-            request.all_token_ids.extend(upcoming[:accepted + 1])
-            proposer.observe(request, start - 1, features[index, start - 1:start + accepted])
+            request.token_ids.extend(upcoming[:accepted + 1])
+            proposer.observe(request.request_id, start - 1,
+                             features[index, start - 1:start + accepted])
     passes = len(accepted_counts)
     reached = [sum(1 for a in accepted_counts if a >= depth) for depth in range(draft_len + 1)]
     return {"draft_len": draft_len, "passes": passes,

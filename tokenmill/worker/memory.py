@@ -17,9 +17,13 @@ from tokenmill.model.arch import ArchConfig
 class KVPlan:
     num_blocks: int
     block_size: int
+    # One block's bytes over every pool that holds it: the target's, and a speculative
+    # proposer's own (a draft model's or EAGLE head's pool has as many blocks).
     bytes_per_block: int
     max_model_len: int
     kv_cache_dtype: str = "auto"
+    # Of bytes_per_block, the proposer's share.
+    proposer_bytes_per_block: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -64,10 +68,14 @@ def available_memory(device: torch.device) -> int:
 
 
 def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
-                   device: torch.device) -> KVPlan:
+                   device: torch.device, proposer_arch: ArchConfig | None = None) -> KVPlan:
+    """Blocks for the budget; with a proposer that has a model, its pool's blocks (its
+    geometry, stored in the model dtype) come out of the same budget."""
     cache = config.cache
     max_model_len = config.model.max_model_len or arch.max_position_embeddings
-    per_block = kv_bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype)
+    proposer = (kv_bytes_per_block(proposer_arch, cache.block_size, dtype)
+                if proposer_arch is not None else 0)
+    per_block = kv_bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype) + proposer
     blocks_per_seq = blocks_for(max_model_len, cache.block_size)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
@@ -82,7 +90,8 @@ def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
         num_blocks = budget // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory: the budget holds no KV block of {per_block} bytes")
-    return KVPlan(num_blocks, cache.block_size, per_block, max_model_len, cache.kv_cache_dtype)
+    return KVPlan(num_blocks, cache.block_size, per_block, max_model_len, cache.kv_cache_dtype,
+                  proposer)
 
 
 # ---- whole-deployment plan (`tokenmill plan memory`) ----------------------------------------

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.layers.rejection_sampler import processed_probs, verify_greedy, verify_sampled
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.speculative.verify import processed_probs, verify_greedy, verify_sampled
 
 P = torch.tensor([[0.30, 0.25, 0.20, 0.10, 0.08, 0.04, 0.02, 0.01],
                   [0.05, 0.05, 0.10, 0.10, 0.20, 0.20, 0.15, 0.15]])

@@ -14,15 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.sampler import SamplingBatch, build_sampling_batch, filter_logits
+from tokenmill.layers.sampler import build_sampling_batch, filter_logits
 from tokenmill.sampling_params import SamplingParams
-
-
-def sampling_batch_for(params: list[SamplingParams], vocab_size: int, device: torch.device
-                       ) -> SamplingBatch:
-    """The temperature / top-k / top-p / min-p columns for rows of these params."""
-    return build_sampling_batch(params, [([], [])] * len(params), [], [None] * len(params),
-                                vocab_size, device)
 
 
 def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -31,7 +24,7 @@ def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     Rows with temperature 0 get a one-hot at the argmax (greedy is the T -> 0 limit).
     """
     logits = logits.float()
-    batch = sampling_batch_for(params, logits.shape[-1], logits.device)
+    batch = build_sampling_batch(params, [None] * len(params), logits.shape[-1], logits.device)
     sorted_logits, order = filter_logits(logits, batch)
     probs = torch.zeros_like(logits).scatter_(1, order, sorted_logits.softmax(dim=-1))
     greedy = batch.temperature == 0

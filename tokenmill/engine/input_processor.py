@@ -1,0 +1,58 @@
+"""Prompts into token ids, checked against the model and the KV pool, from any thread.
+
+The engine is owned by one thread (the async engine's loop), but tokenizing a long
+prompt takes milliseconds to seconds, and the server must not do it on its event
+loop or on the engine's thread. An InputProcessor holds only immutable limits and
+the tokenizer, whose encoding (a Hugging Face fast tokenizer mutates its truncation
+and padding state while encoding) runs under a lock: it is safe to call from a pool
+of threads, while the engine keeps stepping.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from transformers import PreTrainedTokenizerBase
+
+from tokenmill.sampling_params import SamplingParams
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
+                 num_blocks: int, block_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self._lock = threading.Lock()
+
+    def encode(self, prompt: str) -> list[int]:
+        with self._lock:
+            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+
+    def validate(self, token_ids: list[int], params: SamplingParams) -> int:
+        """Check a prompt against the model and pool; returns the effective max_tokens."""
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is {len(token_ids)} tokens; it must be shorter than the "
+                             f"model's context of {self.max_model_len} tokens")
+        room = self.max_model_len - len(token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        need = -(-(len(token_ids) + max_tokens) // self.block_size)
+        if need > self.num_blocks:
+            raise ValueError(
+                f"max_tokens: prompt ({len(token_ids)}) + max_tokens ({max_tokens}) needs {need} "
+                f"KV blocks but the pool has {self.num_blocks}; lower max_tokens "
+                "or give the KV cache more memory")
+        return max_tokens
+
+    def process(self, prompt: str | list[int], params: SamplingParams) -> list[int]:
+        """The prompt's token ids, validated (raises ValueError naming what is wrong)."""
+        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.validate(token_ids, params)
+        return token_ids

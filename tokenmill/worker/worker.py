@@ -1,0 +1,167 @@
+"""The Worker: everything on the device side of the executor boundary.
+
+It loads the model with the kernels the product policy picks (layers/products.py),
+plans the KV pool (the speculative proposer's pool included) and allocates it, builds
+the proposer, and then runs what the engine sends as plain data: a step
+(`execute`), a round of proposals (`propose`), the release of finished requests.
+It holds no engine object; an executor may run it in the engine's process or in a
+child process.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.step import ProposalRequest, StepInput, StepOutput
+from tokenmill.layers.linear import weight_bytes
+from tokenmill.layers.products import product_policy
+from tokenmill.model.arch import ArchConfig
+from tokenmill.model.loader import load_model, resolve_device, resolve_dtype
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.sampling import StepSampler
+from tokenmill.speculative.factory import build_proposer, proposer_arch, proposer_context
+from tokenmill.worker.memory import KVPlan, plan_kv_blocks
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """Bytes the worker allocated at start-up, as measured on its tensors."""
+
+    weights: int  # the target's parameters in every form kept (packed copies included)
+    kv_cache: int
+    proposer_weights: int = 0
+    proposer_kv_cache: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv_cache + self.proposer_weights + self.proposer_kv_cache
+
+
+def resolve_max_model_len(config: EngineConfig, arch: ArchConfig) -> int:
+    max_model_len = config.model.max_model_len or arch.max_position_embeddings
+    if arch.sliding_window is not None and arch.sliding_window < max_model_len:
+        # Attention is exact full attention; within the window that equals the
+        # sliding-window model, so the context is capped there.
+        logger.warning("capping max_model_len at the model's sliding window %d",
+                       arch.sliding_window)
+        max_model_len = arch.sliding_window
+    return max_model_len
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        mcfg = config.model
+        if mcfg.num_threads is not None:
+            torch.set_num_threads(mcfg.num_threads)
+        torch.manual_seed(mcfg.seed)
+        device = resolve_device(mcfg.device)
+        self.products = product_policy(mcfg.cpu_blas, device, resolve_dtype(mcfg.dtype, device))
+        self.products.configure_threads(mcfg.num_threads or torch.get_num_threads())
+        loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
+                            progress=progress, select_linear=self.products.selector)
+        self.arch, self.device, self.dtype = loaded.arch, loaded.device, loaded.dtype
+        self.generation_config = loaded.generation_config
+        self.max_model_len = resolve_max_model_len(config, loaded.arch)
+        self.config = config = config.with_max_model_len(self.max_model_len)
+        context = proposer_context(config, loaded.arch, loaded.device, loaded.dtype)
+        self.kv_plan: KVPlan = plan_kv_blocks(config, loaded.arch, loaded.dtype, loaded.device,
+                                              proposer_arch(context))
+        self.runner = ModelRunner(loaded.model, loaded.arch, self.kv_plan.num_blocks,
+                                  config.cache.block_size, loaded.device, loaded.dtype,
+                                  config.cache.kv_cache_dtype,
+                                  config.attention.attention_backend)
+        self.sampler = StepSampler(loaded.model, seed=mcfg.seed)
+        if context is not None:
+            context.target, context.num_blocks = loaded, self.kv_plan.num_blocks
+            context.select_linear, context.progress = self.products.selector, progress
+        self.proposer = build_proposer(context)
+        # Distributions the last proposals' sampled drafts were drawn from, by request.
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        self.memory = self._measure_memory()
+        # Optional step tracer (tokenmill.profile.StepTracer); None costs nothing.
+        self.tracer = None
+        self._log_start_up()
+
+    def _measure_memory(self) -> MemoryUsage:
+        proposer = self.proposer.memory_bytes() if self.proposer is not None else (0, 0)
+        return MemoryUsage(weight_bytes(self.runner.model), self.runner.kv_cache_bytes(),
+                           *proposer)
+
+    def _log_start_up(self) -> None:
+        plan = self.kv_plan
+        logger.info("KV cache (%s): %d blocks of %d tokens (%.1f MiB), %d tokens, "
+                    "%d concurrent sequences at %d tokens; weights %.1f MiB; products: %s",
+                    plan.kv_cache_dtype, plan.num_blocks, plan.block_size,
+                    plan.total_bytes / 2**20, plan.num_tokens, plan.max_concurrent_sequences,
+                    self.max_model_len, self.memory.weights / 2**20, self.products.name)
+
+    # ---- what the engine asks for -----------------------------------------------------
+    def set_tracer(self, tracer) -> None:
+        self.tracer = self.sampler.tracer = tracer
+
+    @torch.inference_mode()
+    def execute(self, step: StepInput) -> StepOutput:
+        with self.products.step_context():
+            if self.proposer is not None:
+                for request_id in step.preempted_request_ids:
+                    self.proposer.release(request_id)
+            batch = self.runner.prepare(step.requests)
+            self._mark("prepare_inputs")
+            hidden = self.runner.forward(batch)
+            self._mark("forward")
+            output = self.sampler.run(step.requests, batch, hidden, self._draft_probs)
+            self._draft_probs = {}
+            if step.keep_hidden_states and self.proposer is not None:
+                self._observe(step, batch.order, batch.query_start, hidden, output)
+            self._mark("sample")
+        return output
+
+    def _observe(self, step: StepInput, order: list[int], query_start: list[int],
+                 hidden: torch.Tensor, output: StepOutput) -> None:
+        """Hand the proposer the hidden states of the positions now verified."""
+        for slot, index in enumerate(order):
+            request = step.requests[index]
+            verified = (len(output.outputs[request.request_id].token_ids)
+                        if request.num_spec_tokens else request.num_new_tokens)
+            start = query_start[slot]
+            self.proposer.observe(request.request_id, request.num_computed_tokens,
+                                  hidden[start:start + verified])
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
+        """Draft tokens per request (the distributions stay here, for verification)."""
+        with self.products.step_context():
+            proposals = self.proposer.propose(requests)
+        self._draft_probs = {r.request_id: p.probs for r, p in
+                             zip(requests, proposals, strict=True) if p.probs is not None}
+        return [p.token_ids for p in proposals]
+
+    def release(self, request_ids: list[str]) -> None:
+        """These requests finished: drop their sampling streams and proposer state."""
+        for request_id in request_ids:
+            self.sampler.release(request_id)
+            self._draft_probs.pop(request_id, None)
+            if self.proposer is not None:
+                self.proposer.release(request_id)
+
+    def check_integrity(self, idle: bool = False) -> None:
+        """The proposer's cache structures; idle: nothing may hold state any more."""
+        if self.proposer is not None:
+            self.proposer.check_integrity(idle)
+        if idle:
+            assert not self.sampler.has_request_state, "sampling streams of finished requests"
+
+    @property
+    def needs_hidden_states(self) -> bool:
+        return self.proposer is not None and self.proposer.needs_hidden_states
+
+    def _mark(self, phase: str) -> None:
+        if self.tracer is not None:
+            self.tracer.mark(phase)
+
