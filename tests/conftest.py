@@ -6,6 +6,9 @@ import pytest
 import torch
 
 from tests.models import build_model, build_tokenizer
+from tokenmill.model.loader import load_model
+from tokenmill.speculative.eagle.checkpoint import save_eagle_head
+from tokenmill.speculative.eagle.head import EagleHead, head_arch
 
 torch.set_num_threads(2)
 
@@ -33,3 +36,24 @@ def model_factory(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def llama_dir(model_factory) -> Path:
     return model_factory("llama")
+
+
+# Large enough that the random head's logits are far from ties.
+TEST_INIT_STD = 0.2
+
+
+@pytest.fixture(scope="session")
+def eagle_head_dir(llama_dir, tmp_path_factory) -> Path:
+    """A random-initialised EAGLE head for the tiny llama target."""
+    target = load_model(llama_dir, dtype="float32", device="cpu", progress=False).model
+    torch.manual_seed(0)
+    head = EagleHead(head_arch(target.arch), target.model.rotary.max_positions)
+    with torch.no_grad():
+        for param in head.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, TEST_INIT_STD)
+            else:
+                param.uniform_(0.5, 1.5)
+    path = tmp_path_factory.mktemp("eagle_head")
+    save_eagle_head(head, path, {"name": "tiny-llama"})
+    return path

@@ -7,9 +7,16 @@ import torch
 
 from tokenmill.cli import main
 from tokenmill.config import CacheConfig, EngineConfig
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.layers.cpu_blas import onednn_available
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import read_config
-from tokenmill.worker.memory import kv_bytes_per_block, num_parameters, plan_kv_blocks, plan_memory
+from tokenmill.worker.memory import (
+    kv_bytes_per_block,
+    plan_deployment_memory,
+    plan_kv_blocks,
+    plan_memory,
+)
 
 CPU = torch.device("cpu")
 
@@ -55,7 +62,7 @@ def test_parameter_count_matches_the_checkpoint(model_factory, family):
     from tokenmill.model.loader import load_model
 
     loaded = load_model(model_factory(family), progress=False)
-    assert num_parameters(loaded.arch) == sum(p.numel() for p in loaded.model.parameters())
+    assert loaded.arch.num_parameters == sum(p.numel() for p in loaded.model.parameters())
 
 
 def test_plan_memory_adds_weights_kv_and_activations(arch):
@@ -79,3 +86,34 @@ def test_cli_plan_memory_reports_the_fit(llama_dir, capsys):
     assert main([*args, "--device-memory", "1000"]) == 1
     assert "fits: NO" in capsys.readouterr().out
     assert read_config(llama_dir).num_layers == 2
+
+
+@pytest.mark.parametrize("cpu_blas", [
+    pytest.param("onednn", marks=pytest.mark.skipif(not onednn_available(),
+                                                    reason="torch built without oneDNN")),
+    "torch"])
+@pytest.mark.parametrize("method", [None, "ngram", "draft", "eagle"])
+def test_memory_plan_with_speculation_equals_what_start_up_allocates(
+        model_factory, eagle_head_dir, method, cpu_blas):
+    """`tokenmill plan memory` (nothing loaded) and the engine's start-up (measured on the
+    tensors) count the same bytes: the proposer's weights and KV pool, and the tied LM
+    head's second copy on the repacking (oneDNN) path."""
+    # Tied embeddings; the EAGLE head was built for the untied tiny llama.
+    target = model_factory("llama" if method == "eagle" else "llama_mqa_tied")
+    options = {"model": str(target), "cpu_blas": cpu_blas, "num_blocks": 24, "block_size": 8}
+    if method is not None:
+        options["speculative_method"] = method
+    if method == "draft":  # a tied draft: its own LM head is kept twice when repacked
+        options["speculative_model"] = str(target)
+    if method == "eagle":
+        options["speculative_model"] = str(eagle_head_dir)
+    engine = LLMEngine.from_kwargs(progress=False, **options)
+    measured = engine.info.memory
+    plan = plan_deployment_memory(EngineConfig.from_kwargs(**options), context=64,
+                                  concurrency=3, device_memory=10**9)
+    assert plan.weights_bytes == measured.weights + measured.proposer_weights
+    assert plan.kv.bytes_per_block == engine.kv_plan.bytes_per_block
+    assert plan.kv.bytes_per_block * engine.kv_plan.num_blocks == (
+        measured.kv_cache + measured.proposer_kv_cache)
+    assert (measured.proposer_weights > 0) == (method in ("draft", "eagle"))
+    assert (measured.proposer_kv_cache > 0) == (method in ("draft", "eagle"))

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.executor.base import WorkerDiedError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -223,6 +224,7 @@ class AsyncLLMEngine:
         self._commands.put(_Stop())
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join, 30.0)
+        self.engine.shutdown()
 
     # ---- loop thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -291,6 +293,8 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except WorkerDiedError:
+            raise  # no step can run any more: the loop fails everyone and stops
         except Exception as exc:
             logger.exception("engine step failed; failing the requests running in it")
             error = RequestFailedError(f"the engine failed while running this request: {exc!r}")

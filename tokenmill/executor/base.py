@@ -48,6 +48,10 @@ class WorkerInfo:
         return self.padded_rows[num_rows] if num_rows < len(self.padded_rows) else num_rows
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process exited while the engine needed it: the engine cannot go on."""
+
+
 class Executor(ABC):
     info: WorkerInfo
 

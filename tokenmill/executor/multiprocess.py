@@ -14,24 +14,21 @@ from __future__ import annotations
 
 import logging
 import traceback
+import weakref
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.step import ProposalRequest, StepInput, StepOutput
-from tokenmill.executor.base import Executor, WorkerInfo
+from tokenmill.executor.base import Executor, WorkerDiedError, WorkerInfo
 
 logger = logging.getLogger(__name__)
 
 # How often a waiting call checks that the worker is still alive.
 LIVENESS_POLL_S = 0.5
 SHUTDOWN_TIMEOUT_S = 10.0
-
-
-class WorkerDiedError(RuntimeError):
-    """The worker process exited while the engine waited for it."""
 
 
 class WorkerError(RuntimeError):
@@ -80,28 +77,35 @@ class MultiprocessExecutor(Executor):
                                         name="tokenmill-worker", daemon=True)
         self._process.start()
         child_conn.close()
+        # An executor dropped without shutdown() still stops its worker.
+        weakref.finalize(self, _terminate, self._process)
         self.info = self._wait()
 
     def _call(self, method: str, *args: Any) -> Any:
         if self._process is None:
-            raise WorkerDiedError("the executor was shut down")
-        self._conn.send((method, args))
+            raise WorkerDiedError("the worker process exited earlier; the engine must restart")
+        try:
+            self._conn.send((method, args))
+        except OSError:
+            self._died()
         return self._wait()
 
     def _wait(self) -> Any:
-        while not self._conn.poll(LIVENESS_POLL_S):
-            if not self._process.is_alive():
-                code = self._process.exitcode
-                self._process = None
-                raise WorkerDiedError(f"the worker process exited (code {code})")
         try:
+            while not self._conn.poll(LIVENESS_POLL_S):
+                if not self._process.is_alive():
+                    self._died()
             status, payload = self._conn.recv()
-        except EOFError:
-            self._process = None
-            raise WorkerDiedError("the worker process closed its pipe") from None
+        except (EOFError, OSError):
+            self._died()
         if status == "error":
             raise payload
         return payload
+
+    def _died(self) -> NoReturn:
+        process, self._process = self._process, None
+        process.join(LIVENESS_POLL_S)
+        raise WorkerDiedError(f"the worker process exited (code {process.exitcode})")
 
     def execute(self, step: StepInput) -> StepOutput:
         return self._call("execute", step)
@@ -131,3 +135,9 @@ class MultiprocessExecutor(Executor):
             process.terminate()
             process.join()
         self._conn.close()
+
+
+def _terminate(process) -> None:
+    if process.is_alive():
+        process.terminate()
+        process.join(SHUTDOWN_TIMEOUT_S)

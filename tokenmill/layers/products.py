@@ -43,6 +43,9 @@ class ProductPolicy:
     """torch's own products (the base policy)."""
 
     name = "torch"
+    # Whether weights are repacked into a second form (a tied LM head, also read as the
+    # embedding table, is then kept twice).
+    repacks_weights = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -69,6 +72,7 @@ class ProductPolicy:
 
 class OneDNNProducts(ProductPolicy):
     name = "onednn"
+    repacks_weights = True
 
     def select(self, prefix: str, layer: Linear) -> LinearMethod:
         return LINEAR_METHODS["onednn"]

@@ -78,6 +78,33 @@ class ArchConfig:
         )
 
 
+    @property
+    def layer_parameters(self) -> int:
+        """Parameters of one decoder layer (attention, MLP or experts and router, norms)."""
+        hidden, inter = self.hidden_size, self.intermediate_size
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        mlp = 3 * hidden * inter
+        if self.num_experts:
+            mlp = self.num_experts * (mlp + hidden)  # each expert's MLP + its router row
+        layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + mlp + 2 * hidden
+        if self.qkv_bias:
+            layer += q_size + 2 * kv_size
+        if self.o_proj_bias:
+            layer += hidden
+        if self.mlp_bias:
+            layer += 2 * inter + hidden
+        if self.qk_norm:
+            layer += 2 * self.head_dim
+        return layer
+
+    @property
+    def num_parameters(self) -> int:
+        """Parameters of the whole decoder (dense or Mixtral MoE), counted from its shape."""
+        embed = self.vocab_size * self.hidden_size
+        return (embed * (1 if self.tie_word_embeddings else 2)
+                + self.num_layers * self.layer_parameters + self.hidden_size)
+
+
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:
     """Merge the two spellings: `rope_parameters` (transformers 5) and `rope_theta` +
     `rope_scaling` (earlier releases)."""

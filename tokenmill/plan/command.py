@@ -27,16 +27,12 @@ def add_plan_subcommand(sub: argparse._SubParsersAction) -> None:
 def cmd_plan_memory(args: argparse.Namespace) -> int:
     """Prints the plan; exit status 0 when it fits, 1 when it does not, 2 on bad input."""
     from tokenmill.cli import engine_config_from_args
-    from tokenmill.model.loader import read_config, resolve_device, resolve_dtype
-    from tokenmill.worker.memory import available_memory, plan_memory
+    from tokenmill.worker.memory import plan_deployment_memory
 
     try:
         config = engine_config_from_args(args)
-        device = resolve_device(config.model.device)
-        dtype = resolve_dtype(config.model.dtype, device)
-        memory = args.device_memory or available_memory(device)
-        plan = plan_memory(config, read_config(config.model.model), dtype, args.context,
-                           args.concurrency, memory)
+        plan = plan_deployment_memory(config, args.context, args.concurrency,
+                                      args.device_memory)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

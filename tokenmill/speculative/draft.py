@@ -22,11 +22,10 @@ from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.step import ProposalRequest, ScheduledRequest
 from tokenmill.layers.linear import weight_bytes
 from tokenmill.layers.rejection_sampler import processed_probs
-from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import LoadedModel, dtype_name, load_model, read_config
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.speculative.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
-from tokenmill.speculative.factory import ProposerContext
+from tokenmill.speculative.factory import ProposerContext, ProposerFootprint
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +178,9 @@ class DraftModelProposer(Proposer):
 
 
 
-def proposer_arch(context: ProposerContext) -> ArchConfig:
-    return read_config(context.model_dir)
+def proposer_footprint(context: ProposerContext) -> ProposerFootprint:
+    arch = read_config(context.model_dir)
+    return ProposerFootprint(arch, arch.num_parameters, has_lm_head=arch.tie_word_embeddings)
 
 
 def build_proposer(context: ProposerContext) -> DraftModelProposer:

@@ -17,6 +17,17 @@ from tokenmill.speculative.base import Proposer
 from tokenmill.speculative.registry import SPECULATIVE_METHODS
 
 
+@dataclass(frozen=True)
+class ProposerFootprint:
+    """What a proposer's own model takes beside the target's, for memory planning."""
+
+    arch: ArchConfig  # the geometry of its KV pool (as many blocks as the target's)
+    num_parameters: int
+    # Whether it has an LM head of its own (tied to its embedding: a repacking product
+    # policy keeps two copies of it).
+    has_lm_head: bool
+
+
 @dataclass
 class ProposerContext:
     config: EngineConfig
@@ -54,9 +65,9 @@ def _module(context: ProposerContext):
         SPECULATIVE_METHODS[context.config.spec.speculative_method].module)
 
 
-def proposer_arch(context: ProposerContext | None) -> ArchConfig | None:
-    """The shape of the proposer's own model (its KV and weights), or None."""
-    return _module(context).proposer_arch(context) if context is not None else None
+def proposer_footprint(context: ProposerContext | None) -> ProposerFootprint | None:
+    """The proposer's own model (its KV pool's geometry and its weights), or None."""
+    return _module(context).proposer_footprint(context) if context is not None else None
 
 
 def build_proposer(context: ProposerContext | None) -> Proposer | None:

@@ -67,7 +67,7 @@ class NgramProposer(Proposer):
                 for r in requests]
 
 
-def proposer_arch(context: ProposerContext) -> None:
+def proposer_footprint(context: ProposerContext) -> None:
     return None  # no model: nothing in the KV pool or the weights
 
 

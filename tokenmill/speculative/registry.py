@@ -4,7 +4,7 @@ Pure data (no torch), so the config can validate against it. Each method's modul
 (loaded in the worker when the method is used) defines
 
     build_proposer(context: ProposerContext) -> Proposer
-    proposer_arch(context: ProposerContext) -> ArchConfig | None   # its KV / weights, for planning
+    proposer_footprint(context: ProposerContext) -> ProposerFootprint | None  # for planning
 
 A new method is a module with those two functions and one entry here.
 """

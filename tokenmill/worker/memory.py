@@ -10,7 +10,10 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.kv.quant import SCALE_DTYPE, is_quantized, storage_dtype
+from tokenmill.layers.products import product_policy
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.loader import read_config, resolve_device, resolve_dtype
+from tokenmill.speculative.factory import ProposerFootprint, proposer_context, proposer_footprint
 
 
 @dataclass(frozen=True)
@@ -68,14 +71,15 @@ def available_memory(device: torch.device) -> int:
 
 
 def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
-                   device: torch.device, proposer_arch: ArchConfig | None = None) -> KVPlan:
+                   device: torch.device, proposer: ProposerFootprint | None = None) -> KVPlan:
     """Blocks for the budget; with a proposer that has a model, its pool's blocks (its
     geometry, stored in the model dtype) come out of the same budget."""
     cache = config.cache
     max_model_len = config.model.max_model_len or arch.max_position_embeddings
-    proposer = (kv_bytes_per_block(proposer_arch, cache.block_size, dtype)
-                if proposer_arch is not None else 0)
-    per_block = kv_bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype) + proposer
+    proposer_per_block = (kv_bytes_per_block(proposer.arch, cache.block_size, dtype)
+                          if proposer is not None else 0)
+    per_block = (kv_bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype)
+                 + proposer_per_block)
     blocks_per_seq = blocks_for(max_model_len, cache.block_size)
     if cache.num_blocks is not None:
         num_blocks = cache.num_blocks
@@ -91,30 +95,10 @@ def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory: the budget holds no KV block of {per_block} bytes")
     return KVPlan(num_blocks, cache.block_size, per_block, max_model_len, cache.kv_cache_dtype,
-                  proposer)
+                  proposer_per_block)
 
 
 # ---- whole-deployment plan (`tokenmill plan memory`) ----------------------------------------
-
-def num_parameters(arch: ArchConfig) -> int:
-    """Parameters of a Llama-family decoder (dense or Mixtral MoE), counted from its shape."""
-    hidden, inter = arch.hidden_size, arch.intermediate_size
-    q_size, kv_size = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    mlp = 3 * hidden * inter
-    if arch.num_experts:
-        mlp = arch.num_experts * (mlp + hidden)  # each expert's MLP + its router row
-    layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + mlp + 2 * hidden
-    if arch.qkv_bias:
-        layer += q_size + 2 * kv_size
-    if arch.o_proj_bias:
-        layer += hidden
-    if arch.mlp_bias:
-        layer += 2 * inter + hidden
-    if arch.qk_norm:
-        layer += 2 * arch.head_dim
-    embed = arch.vocab_size * hidden
-    return embed * (1 if arch.tie_word_embeddings else 2) + arch.num_layers * layer + hidden
-
 
 def activation_bytes(arch: ArchConfig, dtype: torch.dtype, context: int, concurrency: int,
                      max_batched_tokens: int, block_size: int) -> int:
@@ -166,7 +150,8 @@ class MemoryPlan:
         lines = [
             f"context {self.context} tokens x {self.concurrency} sequences, "
             f"weights {str(self.dtype).removeprefix('torch.')}, KV {kv.kv_cache_dtype}",
-            row("weights", self.weights_bytes, f"{self.num_parameters / 1e6:.1f}M parameters"),
+            row("weights", self.weights_bytes, f"{self.num_parameters / 1e6:.1f}M parameters"
+                + (", a speculative proposer's included" if kv.proposer_bytes_per_block else "")),
             row("kv cache", kv.total_bytes, f"{kv.num_blocks} blocks x {kv.block_size} tokens, "
                 f"{kv.bytes_per_block} B/block"),
             row("activations", self.activation_bytes, "estimate, one step"),
@@ -178,17 +163,49 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def model_weight_bytes(arch: ArchConfig, num_parameters: int, dtype: torch.dtype,
+                       repacks_weights: bool) -> int:
+    """Bytes of a model's weights: a product policy that repacks weights keeps a tied
+    LM head twice (the packed copy, and the plain one the embedding reads)."""
+    tied_copy = arch.vocab_size * arch.hidden_size if (
+        repacks_weights and arch.tie_word_embeddings) else 0
+    return (num_parameters + tied_copy) * dtype.itemsize
+
+
 def plan_memory(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype, context: int,
-                concurrency: int, device_memory: int) -> MemoryPlan:
-    """Weights + KV for `concurrency` sequences of `context` tokens + activations."""
+                concurrency: int, device_memory: int, proposer: ProposerFootprint | None = None,
+                repacks_weights: bool = False) -> MemoryPlan:
+    """Weights + KV for `concurrency` sequences of `context` tokens + activations; a
+    speculative proposer's model and KV pool included."""
     if context < 1 or concurrency < 1:
         raise ValueError(f"context and concurrency must be >= 1, got {context}, {concurrency}")
     cache = config.cache
+    proposer_per_block = (kv_bytes_per_block(proposer.arch, cache.block_size, dtype)
+                          if proposer is not None else 0)
     per_block = kv_bytes_per_block(arch, cache.block_size, dtype, cache.kv_cache_dtype)
     num_blocks = blocks_for(context, cache.block_size) * concurrency
-    kv = KVPlan(num_blocks, cache.block_size, per_block, context, cache.kv_cache_dtype)
-    params = num_parameters(arch)
+    kv = KVPlan(num_blocks, cache.block_size, per_block + proposer_per_block, context,
+                cache.kv_cache_dtype, proposer_per_block)
+    params = arch.num_parameters
+    weights = model_weight_bytes(arch, params, dtype, repacks_weights)
+    if proposer is not None:
+        params += proposer.num_parameters
+        weights += model_weight_bytes(proposer.arch, proposer.num_parameters, dtype,
+                                      repacks_weights and proposer.has_lm_head)
     acts = activation_bytes(arch, dtype, context, concurrency,
                             config.scheduler.max_num_batched_tokens, cache.block_size)
-    return MemoryPlan(params, params * dtype.itemsize, kv, acts, device_memory, context,
-                      concurrency, dtype)
+    return MemoryPlan(params, weights, kv, acts, device_memory, context, concurrency, dtype)
+
+
+def plan_deployment_memory(config: EngineConfig, context: int, concurrency: int,
+                           device_memory: int | None = None) -> MemoryPlan:
+    """plan_memory for a config as the worker would start it: the checkpoint's shape,
+    the device's dtype and products, the configured proposer (none of it loaded)."""
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    arch = read_config(config.model.model)
+    policy = product_policy(config.model.cpu_blas, device, dtype)
+    proposer = proposer_footprint(proposer_context(config, arch, device, dtype))
+    return plan_memory(config, arch, dtype, context, concurrency,
+                       device_memory or available_memory(device), proposer,
+                       policy.repacks_weights)

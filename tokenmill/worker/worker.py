@@ -23,7 +23,7 @@ from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import load_model, resolve_device, resolve_dtype
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.sampling import StepSampler
-from tokenmill.speculative.factory import build_proposer, proposer_arch, proposer_context
+from tokenmill.speculative.factory import build_proposer, proposer_context, proposer_footprint
 from tokenmill.worker.memory import KVPlan, plan_kv_blocks
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Worker:
         self.config = config = config.with_max_model_len(self.max_model_len)
         context = proposer_context(config, loaded.arch, loaded.device, loaded.dtype)
         self.kv_plan: KVPlan = plan_kv_blocks(config, loaded.arch, loaded.dtype, loaded.device,
-                                              proposer_arch(context))
+                                              proposer_footprint(context))
         self.runner = ModelRunner(loaded.model, loaded.arch, self.kv_plan.num_blocks,
                                   config.cache.block_size, loaded.device, loaded.dtype,
                                   config.cache.kv_cache_dtype,

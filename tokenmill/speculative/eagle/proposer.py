@@ -12,13 +12,12 @@ from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.step import ProposalRequest, ScheduledRequest
 from tokenmill.layers.linear import LinearSelector, weight_bytes
 from tokenmill.layers.rejection_sampler import processed_probs
-from tokenmill.model.arch import ArchConfig
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.speculative.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
 from tokenmill.speculative.eagle.checkpoint import load_eagle_head, read_head_config
 from tokenmill.speculative.eagle.head import EagleHead
-from tokenmill.speculative.factory import ProposerContext
+from tokenmill.speculative.factory import ProposerContext, ProposerFootprint
 
 
 @dataclass(eq=False)
@@ -280,8 +279,13 @@ class EagleProposer(Proposer):
             draft.token_ids.append(token)
 
 
-def proposer_arch(context: ProposerContext) -> ArchConfig:
-    return read_head_config(context.model_dir, context.target_arch)[0]
+def proposer_footprint(context: ProposerContext) -> ProposerFootprint:
+    """The head: an FC (2h -> h, with bias) and one decoder layer; it shares the
+    target's embedding and LM head."""
+    arch = read_head_config(context.model_dir, context.target_arch)[0]
+    hidden = arch.hidden_size
+    return ProposerFootprint(arch, 2 * hidden * hidden + hidden + arch.layer_parameters,
+                             has_lm_head=False)
 
 
 def build_proposer(context: ProposerContext) -> EagleProposer:
