@@ -12,8 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from tokenmill.speculative.registry import SPECULATIVE_METHODS
-
 CHUNK_POLICIES = ("fixed", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -141,10 +139,10 @@ class SpecConfig:
     """Speculative decoding: which proposer, how many tokens, when to back off."""
 
     # None: off. ngram: prompt lookup; draft: a small model with the same tokenizer;
-    # eagle: a feature-level draft head trained for the target (the methods are
-    # listed in tokenmill/speculative/registry.py).
+    # eagle: a feature-level draft head trained for the target. The methods are the
+    # registry's (tokenmill/speculative/registry.py), which checks the name.
     speculative_method: str | None = field(
-        default=None, metadata={"choices": tuple(SPECULATIVE_METHODS)})
+        default=None, metadata={"registry": "tokenmill.speculative.registry:SPECULATIVE_METHODS"})
     # Most tokens proposed per request per step (k).
     # 7: a lone request's 1 + 7 rows are the most the CPU products compute without
     # padding (cpu_blas.onednn_rows; on the OpenBLAS path, one 8-row panel), and
@@ -168,8 +166,9 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.speculative_method is not None:
-            _require(self.speculative_method in SPECULATIVE_METHODS, "speculative_method",
-                     f"one of {tuple(SPECULATIVE_METHODS)} or None", self.speculative_method)
+            _require(isinstance(self.speculative_method, str) and bool(self.speculative_method),
+                     "speculative_method", "a registered method name or None",
+                     self.speculative_method)
         _require(1 <= self.num_speculative_tokens <= 16, "num_speculative_tokens", "in [1, 16]",
                  self.num_speculative_tokens)
         _require(self.prompt_lookup_min >= 1, "prompt_lookup_min", ">= 1", self.prompt_lookup_min)
@@ -188,7 +187,8 @@ class AttentionConfig:
 
     # A name registered in tokenmill/attention/registry.py (checked when the worker
     # builds it: backends can be registered at run time).
-    attention_backend: str = "paged"
+    attention_backend: str = field(
+        default="paged", metadata={"registry": "tokenmill.attention.registry:ATTENTION_BACKENDS"})
 
     def __post_init__(self) -> None:
         _require(isinstance(self.attention_backend, str) and bool(self.attention_backend),

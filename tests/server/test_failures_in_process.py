@@ -157,3 +157,27 @@ def test_api_key_comes_from_the_argument_then_the_environment(monkeypatch):
     assert resolve_api_key(None) == "from-env"
     monkeypatch.delenv(API_KEY_ENV)
     assert resolve_api_key(None) is None
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(engine):
+    """Prompts are tokenized on the server's input threads, not on the event loop: a
+    multi-megabyte prompt (too long for the context: a 400 in the end) does not hold
+    up /health meanwhile."""
+    huge = "def add(a, b):\n    return a + b\n" * 60_000  # ~2 MB
+
+    async def scenario(client, async_engine):
+        big = asyncio.create_task(client.post("/v1/completions",
+                                              json={**REQUEST, "prompt": huge}))
+        latencies = []
+        while not big.done():
+            started = asyncio.get_running_loop().time()
+            assert (await client.get("/health")).status_code == 200
+            latencies.append(asyncio.get_running_loop().time() - started)
+            await asyncio.sleep(0.01)
+        return await big, latencies
+
+    response, latencies = run_with_app(engine, scenario)
+    assert response.status_code == 400
+    assert response.json()["error"]["code"] == "context_length_exceeded"
+    assert len(latencies) >= 5, "the huge prompt was tokenized too fast to observe"
+    assert max(latencies) < 0.25, latencies

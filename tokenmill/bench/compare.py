@@ -138,8 +138,8 @@ def _commit() -> str:
 
 
 def cmd_bench_compare(args: argparse.Namespace) -> int:
+    from tokenmill.arguments import engine_config_from_args
     from tokenmill.bench.workload import build_workload, workload_spec_from_args
-    from tokenmill.cli import engine_config_from_args
 
     try:
         base = engine_config_from_args(args)
@@ -193,8 +193,8 @@ def _engine_option_names() -> set[str]:
 
 
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.arguments import add_engine_arguments
     from tokenmill.bench.workload import add_workload_arguments
-    from tokenmill.cli import add_engine_arguments
 
     parser.add_argument("--configs", nargs="+", required=True,
                         help="'name:opt=val,opt=val' ...; the first is the baseline")

@@ -78,7 +78,7 @@ def format_latency(results: list[BatchLatency], input_len: int, output_len: int)
 
 
 def cmd_bench_latency(args: argparse.Namespace) -> int:
-    from tokenmill.cli import engine_config_from_args
+    from tokenmill.arguments import engine_config_from_args
 
     try:
         config = engine_config_from_args(args)
@@ -102,7 +102,7 @@ def cmd_bench_latency(args: argparse.Namespace) -> int:
 
 
 def add_latency_arguments(parser: argparse.ArgumentParser) -> None:
-    from tokenmill.cli import add_engine_arguments
+    from tokenmill.arguments import add_engine_arguments
 
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=32)

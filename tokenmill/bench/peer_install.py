@@ -22,7 +22,11 @@ import tarfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from tokenmill.bench.peers import PEERS_DIR
+from tokenmill.bench.ceilings import CACHE
+
+# Peers' own environments and builds, and their servers' logs.
+PEERS_DIR = Path(os.environ.get("TOKENMILL_PEERS_DIR", CACHE / "peers"))
+
 
 DEFAULT_WHEEL_DIRS = (Path("/opt/wheels"),)
 

@@ -23,14 +23,10 @@ from pathlib import Path
 
 import httpx
 
-from tokenmill.bench.ceilings import CACHE
 from tokenmill.bench.driver import EngineRun
 from tokenmill.bench.metrics import RequestRecord
+from tokenmill.bench.peer_install import PEERS_DIR, install_peers
 from tokenmill.bench.workload import WorkloadRequest
-
-PEERS_DIR = Path(os.environ.get("TOKENMILL_PEERS_DIR", CACHE / "peers"))
-
-
 
 # Runs llama.cpp's convert_hf_to_gguf.py (argv[1]) with its remaining arguments. The
 # converter recognises a BPE tokenizer's pre-tokenizer by hashing how it splits a
@@ -336,7 +332,6 @@ def available_peers(names: Sequence[str], log=print) -> list[Peer]:
 # ---- command line ------------------------------------------------------------------------
 def cmd_peers(args: argparse.Namespace) -> int:
     if args.action == "install":
-        from tokenmill.bench.peer_install import install_peers
 
         return install_peers(args.peer or ["llamacpp", "vllm"], torch_wheel=args.torch_wheel,
                              jobs=args.jobs)

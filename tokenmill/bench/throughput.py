@@ -63,8 +63,8 @@ def measure_throughput(engine: LLMEngine, workload: list[WorkloadRequest],
 # ---- command line ------------------------------------------------------------------------
 def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags shared by the in-process benchmarks: engine, workload, output."""
+    from tokenmill.arguments import add_engine_arguments
     from tokenmill.bench.workload import add_workload_arguments
-    from tokenmill.cli import add_engine_arguments
 
     parser.add_argument("--out", type=Path, default=None, help="write the JSON result here")
     parser.add_argument("--no-roofline", action="store_true",
@@ -76,8 +76,8 @@ def add_engine_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_engine_and_workload(args: argparse.Namespace
                              ) -> tuple[LLMEngine, list[WorkloadRequest], Ceilings | None]:
+    from tokenmill.arguments import engine_config_from_args
     from tokenmill.bench.workload import build_workload, workload_spec_from_args
-    from tokenmill.cli import engine_config_from_args
 
     config = engine_config_from_args(args)
     spec = workload_spec_from_args(args)

@@ -21,11 +21,11 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
+from tokenmill.core.stats import EngineStats
 from tokenmill.core.step import StepInput, StepOutput, build_step
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.output_processor import RequestGroup, check_stop, group_output
-from tokenmill.engine.stats import EngineStats
 from tokenmill.executor.factory import create_executor
 from tokenmill.outputs import RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams

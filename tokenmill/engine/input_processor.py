@@ -14,6 +14,7 @@ import threading
 
 from transformers import PreTrainedTokenizerBase
 
+from tokenmill.chat import apply_chat_template
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -27,9 +28,19 @@ class InputProcessor:
         self.block_size = block_size
         self._lock = threading.Lock()
 
-    def encode(self, prompt: str) -> list[int]:
+    def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         with self._lock:
-            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
+
+    def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+             ) -> list[int]:
+        """A conversation through the model's chat template (ValueError if impossible)."""
+        with self._lock:
+            return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+
+    def decode(self, token_ids: list[int]) -> str:
+        with self._lock:
+            return self.tokenizer.decode(token_ids)
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> int:
         """Check a prompt against the model and pool; returns the effective max_tokens."""

@@ -73,8 +73,8 @@ class Executor(ABC):
 
     def set_tracer(self, tracer) -> None:
         """Report the worker's step phases to a StepTracer (None: stop)."""
-        raise ValueError(f"{type(self).__name__} cannot trace the worker's phases; "
-                         "profile with the in-process executor")
+        raise NotImplementedError(f"{type(self).__name__} cannot trace the worker's phases; "
+                                  "profile with the in-process executor")
 
     def shutdown(self) -> None:
         """Stop the worker(s); the executor is unusable afterwards."""

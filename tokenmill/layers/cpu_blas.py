@@ -41,15 +41,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from tokenmill.layers.linear_method import LinearMethod, PlainLinearMethod, TransposedLinearMethod
-
-if TYPE_CHECKING:
-    from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear_method import (
+    Linear,
+    LinearMethod,
+    PlainLinearMethod,
+    TransposedLinearMethod,
+)
 
 PAD_TO = 8
 PAD_BELOW = 64

@@ -17,14 +17,22 @@ registered in `LINEAR_METHODS`, not new branches here.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-if TYPE_CHECKING:
-    from tokenmill.layers.linear import Linear
+
+class Linear(Protocol):
+    """What a method reads and sets on its layer (layers/linear.py's `Linear`)."""
+
+    in_features: int
+    out_features: int
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    # The plain weight is read for more than products (a tied LM head's embedding).
+    keep_weight: bool
 
 
 class LinearMethod(ABC):

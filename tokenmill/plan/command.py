@@ -9,7 +9,7 @@ import sys
 
 
 def add_plan_subcommand(sub: argparse._SubParsersAction) -> None:
-    from tokenmill.cli import add_engine_arguments
+    from tokenmill.arguments import add_engine_arguments
 
     plan = sub.add_parser("plan", help="capacity planning")
     targets = plan.add_subparsers(dest="plan_target", required=True)
@@ -26,7 +26,7 @@ def add_plan_subcommand(sub: argparse._SubParsersAction) -> None:
 
 def cmd_plan_memory(args: argparse.Namespace) -> int:
     """Prints the plan; exit status 0 when it fits, 1 when it does not, 2 on bad input."""
-    from tokenmill.cli import engine_config_from_args
+    from tokenmill.arguments import engine_config_from_args
     from tokenmill.worker.memory import plan_deployment_memory
 
     try:

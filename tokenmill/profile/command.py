@@ -12,8 +12,8 @@ from tokenmill.profile.tracer import StepTracer
 
 
 def add_profile_subcommand(sub: argparse._SubParsersAction) -> None:
+    from tokenmill.arguments import add_engine_arguments
     from tokenmill.bench.workload import add_workload_arguments
-    from tokenmill.cli import add_engine_arguments
 
     parser = sub.add_parser("profile", help="trace engine steps into Chrome/Perfetto JSON")
     parser.add_argument("--out", type=Path, default=Path("trace.json"))
@@ -30,9 +30,9 @@ def add_profile_subcommand(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
+    from tokenmill.arguments import engine_config_from_args
     from tokenmill.bench.driver import run_engine_workload, warm_up
     from tokenmill.bench.workload import build_workload, workload_spec_from_args
-    from tokenmill.cli import engine_config_from_args
     from tokenmill.engine.engine import LLMEngine
 
     try:

@@ -26,6 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+
+class ProfileError(RuntimeError):
+    """Profiling cannot be done as asked (e.g. the worker runs in another process)."""
+
+
 PHASES = ("schedule", "prepare_inputs", "forward", "logits", "sample", "output")
 COMPUTE_PHASES = frozenset({"forward", "logits"})
 
@@ -62,9 +67,12 @@ class StepTracer:
 
     # ---- attaching ------------------------------------------------------------------------
     def attach(self, engine) -> StepTracer:
-        """Trace `engine`'s steps; raises ValueError when its executor cannot report the
-        worker's phases (a worker in another process)."""
-        engine.executor.set_tracer(self)
+        """Trace `engine`'s steps; raises ProfileError when its executor cannot report
+        the worker's phases (a worker in another process)."""
+        try:
+            engine.executor.set_tracer(self)
+        except NotImplementedError as exc:
+            raise ProfileError(str(exc)) from None
         engine.tracer = self
         if engine.speculation is not None:
             engine.speculation.tracer = self

@@ -16,10 +16,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
-from tokenmill.profile.routes import add_profile_routes
 from tokenmill.server.errors import APIError, error_body, install_error_handlers
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.openai_serving import OpenAIServing
+from tokenmill.server.profile_routes import add_profile_routes
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -128,6 +128,7 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
         async_engine.start()
         yield
         await async_engine.shutdown(shutdown_grace_s)
+        serving.close()
 
     app = FastAPI(title="tokenmill", summary="OpenAI-compatible LLM server", lifespan=lifespan)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
@@ -171,10 +172,10 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
         if body.messages is not None:
             if not body.messages:
                 raise APIError(400, "messages must not be empty", param="messages")
-            tokens = serving.chat_prompt(body.messages, body.add_generation_prompt)
+            tokens = await serving.chat_prompt(body.messages, body.add_generation_prompt)
         else:
-            tokens = async_engine.tokenizer(
-                body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+            tokens = await serving.off_loop(serving.inputs.encode, body.prompt,
+                                            body.add_special_tokens)
         return TokenizeResponse(tokens=tokens, count=len(tokens),
                                 max_model_len=async_engine.max_model_len)
 
@@ -184,7 +185,8 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
         vocab = async_engine.engine.arch.vocab_size
         if any(t < 0 or t >= vocab for t in body.tokens):
             raise APIError(400, f"tokens must be integers in [0, {vocab})", param="tokens")
-        return DetokenizeResponse(prompt=async_engine.tokenizer.decode(body.tokens))
+        return DetokenizeResponse(prompt=await serving.off_loop(serving.inputs.decode,
+                                                                 body.tokens))
 
     add_profile_routes(api, async_engine)
     app.include_router(api)

@@ -1,7 +1,10 @@
 """Serving the OpenAI endpoints: request -> SamplingParams -> engine streams -> response.
 
-Prompts are tokenized here, on the event loop, so that every validation error
-(bad field, prompt too long for the context) is a 400 before anything is queued.
+Prompts are tokenized and validated here, before anything is queued, so that every
+validation error (bad field, prompt too long for the context) is a 400. That work
+runs on a small pool of threads (the engine's InputProcessor is safe to call from
+any thread), never on the event loop: a multi-megabyte prompt does not stall other
+requests, streams or /health.
 A non-streamed request whose client goes away is aborted (the connection is polled);
 a streamed one is aborted when its response generator is closed.
 """
@@ -11,14 +14,15 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from jinja2 import TemplateError
 from pydantic import BaseModel
 
-from tokenmill.chat import apply_chat_template
 from tokenmill.engine.async_engine import AsyncLLMEngine, RequestStream
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
@@ -35,17 +39,29 @@ from tokenmill.server.shaping import ChatShaper, CompletionShaper, PromptInput, 
 _PARAM_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(
     ChatCompletionRequest.model_fields)
 _DISCONNECT_POLL_S = 0.25
+# Threads that tokenize and validate prompts (tokenization itself is serialised by the
+# tokenizer's lock; a second thread keeps validation and decoding moving meanwhile).
+TOKENIZER_THREADS = 2
+T = TypeVar("T")
 
 
 class OpenAIServing:
     def __init__(self, async_engine: AsyncLLMEngine, model_name: str,
                  metrics: ServerMetrics) -> None:
         self.async_engine = async_engine
-        self.engine = async_engine.engine
+        self.inputs = async_engine.engine.inputs
         self.tokenizer = async_engine.tokenizer
         self.model_name = model_name
         self.metrics = metrics
         self._token_text: dict[int, str] = {}
+        self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenmill-inputs")
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run prompt work (tokenizing, validating, decoding) on the input threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- shared checks ---------------------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -53,10 +69,10 @@ class OpenAIServing:
             raise APIError(404, f"the model {name!r} does not exist; this server serves "
                            f"{self.model_name!r}", param="model", code="model_not_found")
 
-    def chat_prompt(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
+    async def chat_prompt(self, messages: list, add_generation_prompt: bool = True) -> list[int]:
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         try:
-            return apply_chat_template(self.tokenizer, conversation, add_generation_prompt)
+            return await self.off_loop(self.inputs.chat, conversation, add_generation_prompt)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
         except TemplateError as exc:
@@ -84,8 +100,8 @@ class OpenAIServing:
         except ValueError as exc:
             raise from_exception(exc, _PARAM_FIELDS) from exc
 
-    def _check_prompt(self, prompt: PromptInput, params: SamplingParams,
-                      requested_max_tokens: int | None) -> None:
+    async def _check_prompt(self, prompt: PromptInput, params: SamplingParams,
+                            requested_max_tokens: int | None) -> None:
         """OpenAI semantics: prompt + max_tokens beyond the context is an error."""
         num = len(prompt.token_ids)
         limit = self.async_engine.max_model_len
@@ -98,22 +114,22 @@ class OpenAIServing:
                            f"{requested_max_tokens} more", param="max_tokens",
                            code="context_length_exceeded")
         try:
-            self.engine.validate_prompt(prompt.token_ids, params)
+            await self.off_loop(self.inputs.validate, prompt.token_ids, params)
         except ValueError as exc:
             error = from_exception(exc, _PARAM_FIELDS)
             if error.param is None:
                 error.param = "prompt"
             raise error from exc
 
-    def _completion_prompts(self, prompt: str | list) -> list[PromptInput]:
+    async def _completion_prompts(self, prompt: str | list) -> list[PromptInput]:
         if isinstance(prompt, str):
-            return [PromptInput(prompt, self.engine.encode(prompt))]
+            return [PromptInput(prompt, await self.off_loop(self.inputs.encode, prompt))]
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
         if all(isinstance(p, int) for p in prompt):
             return [PromptInput(None, list(prompt))]
-        return [PromptInput(p, self.engine.encode(p)) if isinstance(p, str) else PromptInput(None, list(p))
-                for p in prompt]
+        return [PromptInput(p, await self.off_loop(self.inputs.encode, p)) if isinstance(p, str)
+                else PromptInput(None, list(p)) for p in prompt]
 
     def _add_all(self, request_id: str, prompts: list[PromptInput], params: SamplingParams
                  ) -> list[RequestStream]:
@@ -147,11 +163,11 @@ class OpenAIServing:
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
         params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
                                        prompt_logprobs)
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self._completion_prompts(req.prompt)
         for prompt in prompts:
-            self._check_prompt(prompt, params, req.max_tokens)
+            await self._check_prompt(prompt, params, req.max_tokens)
             if req.echo and prompt.text is None:
-                prompt.text = self.tokenizer.decode(prompt.token_ids)
+                prompt.text = await self.off_loop(self.inputs.decode, prompt.token_ids)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = self._add_all(request_id, prompts, params)
         shaper = CompletionShaper(self, req, prompts, echo_only)
@@ -174,8 +190,9 @@ class OpenAIServing:
             else req.max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, logprobs)
-        prompt = PromptInput(None, self.chat_prompt(req.messages, req.add_generation_prompt))
-        self._check_prompt(prompt, params, max_tokens)
+        prompt = PromptInput(None, await self.chat_prompt(req.messages,
+                                                          req.add_generation_prompt))
+        await self._check_prompt(prompt, params, max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         streams = self._add_all(request_id, [prompt], params)
         shaper = ChatShaper(self, req, [prompt])

@@ -20,8 +20,8 @@ from collections.abc import Callable
 from tokenmill.config import SpecConfig
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import SchedulerOutput
+from tokenmill.core.stats import EngineStats
 from tokenmill.core.step import ProposalRequest, StepInput, StepOutput
-from tokenmill.engine.stats import EngineStats
 from tokenmill.speculative.controller import SpecController
 
 Propose = Callable[[list[ProposalRequest]], list[list[int]]]

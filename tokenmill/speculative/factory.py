@@ -52,7 +52,10 @@ def proposer_context(config: EngineConfig, target_arch: ArchConfig, device: torc
     name = config.spec.speculative_method
     if name is None:
         return None
-    method = SPECULATIVE_METHODS[name]
+    method = SPECULATIVE_METHODS.get(name)
+    if method is None:
+        raise ValueError(f"speculative_method must be one of {tuple(SPECULATIVE_METHODS)} "
+                         f"or None, got {name!r}")
     model_dir = method.model_dir(config.model.model, config.spec.speculative_model)
     if model_dir is not None and not (model_dir / "config.json").is_file():
         raise ValueError(f"speculative_model: {str(model_dir)!r} is not a {name} model "

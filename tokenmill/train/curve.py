@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on the training machine
 import matplotlib.pyplot as plt  # noqa: E402
 
-if TYPE_CHECKING:
-    from tokenmill.train.trainer import TrainHistory
+from tokenmill.train.history import TrainHistory  # noqa: E402
 
 SMOOTHING_WINDOW = 25
 

@@ -52,11 +52,12 @@ from tokenmill.speculative.eagle.proposer import EagleProposer
 from tokenmill.train.clock import TrainingClock, learning_rate
 from tokenmill.train.curve import plot_loss_curve
 from tokenmill.train.eagle_card import render_eagle_card
+from tokenmill.train.history import TrainHistory
 from tokenmill.train.packing import evaluation_windows, pack_corpus, training_batches
 from tokenmill.train.presets import Phase, Schedule
 from tokenmill.train.threads import ThreadChooser
 from tokenmill.train.tokenizer import END_OF_TEXT, load_tokenizer
-from tokenmill.train.trainer import TRAIN_THREADS, TrainHistory, make_optimizer
+from tokenmill.train.trainer import TRAIN_THREADS, make_optimizer
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from transformers import (
 from tokenmill.train.clock import TrainingClock, learning_rate
 from tokenmill.train.curve import plot_loss_curve
 from tokenmill.train.evaluation import held_out_loss
+from tokenmill.train.history import TrainHistory
 from tokenmill.train.packing import evaluation_windows, pack_corpus, training_batches
 from tokenmill.train.presets import Preset, Schedule
 from tokenmill.train.threads import ThreadChooser
@@ -38,18 +39,6 @@ from tokenmill.train.trainlog import STAGE_KEYS, continue_history, stages_of
 
 TRAIN_THREADS = 2
 FINAL_EVAL_SEQ_LENS = (512, 2048)
-
-
-@dataclass
-class TrainHistory:
-    """Per-step training loss and periodic held-out loss, keyed by tokens seen."""
-
-    steps: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    train_loss: list[float] = field(default_factory=list)
-    eval_steps: list[int] = field(default_factory=list)
-    eval_tokens: list[int] = field(default_factory=list)
-    eval_loss: list[float] = field(default_factory=list)
 
 
 def build_model(preset: Preset) -> PreTrainedModel:

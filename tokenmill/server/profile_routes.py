@@ -16,7 +16,7 @@ from fastapi import APIRouter
 
 from tokenmill.engine.async_engine import AsyncLLMEngine
 from tokenmill.profile.summary import summarize_steps
-from tokenmill.profile.tracer import StepTracer
+from tokenmill.profile.tracer import ProfileError, StepTracer
 from tokenmill.server.errors import APIError
 
 PROFILE_DIR_ENV = "TOKENMILL_PROFILE_DIR"
@@ -34,7 +34,10 @@ def add_profile_routes(router: APIRouter, async_engine: AsyncLLMEngine) -> None:
     async def start_profile() -> dict:
         if "tracer" in state:
             raise APIError(400, "a profile is already running; POST /stop_profile first")
-        state["tracer"] = StepTracer().attach(async_engine.engine)
+        try:
+            state["tracer"] = StepTracer().attach(async_engine.engine)
+        except ProfileError as exc:
+            raise APIError(400, str(exc)) from None
         return {"status": "started"}
 
     @router.post("/stop_profile")
