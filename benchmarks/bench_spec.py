@@ -42,7 +42,7 @@ import torch
 from tokenmill.bench.driver import run_engine_workload, warm_up
 from tokenmill.bench.workload import WorkloadRequest
 from tokenmill.engine.engine import LLMEngine
-from tokenmill.speculative.factory import default_speculative_model
+from tokenmill.speculative.registry import SPECULATIVE_METHODS
 from tokenmill.train.corpus import held_out_texts
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,9 +75,8 @@ def configurations(model: str, methods: list[str], k: int) -> list[tuple[str, di
     configs = [("none", {}), ("none (control)", {})]
     for method in methods:
         options = {"speculative_method": method, "num_speculative_tokens": k}
-        if method != "ngram":
-            from tokenmill.config import EngineConfig
-            path = default_speculative_model(EngineConfig.from_kwargs(model=model, **options))
+        path = SPECULATIVE_METHODS[method].model_dir(model, None)
+        if path is not None:
             if not (path / "config.json").is_file():
                 print(f"skipping {method}: no model at {path}", file=sys.stderr)
                 continue
