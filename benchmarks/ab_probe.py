@@ -7,8 +7,8 @@ held-out corpus), so the same probe measures an older commit and a newer one.
           decode TPOT at batch 1 (prompt 128, 64 tokens), prefill tok/s (one 512-token
           prompt), output tok/s at batch 8 (8 x 64 tokens) and 32 (32 x 32 tokens)
     spec: pycoder, held-out prompts of 256 tokens, 64 new tokens each: output tok/s
-          with no speculation and with each method (adaptive k) at batch 1 (4
-          requests one at a time) and 8 (16 requests)
+          with no speculation and with each method (adaptive k) at batch 1 (8
+          requests one at a time) and 8 (32 requests)
 
     PYTHONPATH=<tree> python benchmarks/ab_probe.py --suite core --json out.json
 """
@@ -81,8 +81,8 @@ def spec(model: str) -> dict[str, float]:
         engine = LLMEngine.from_kwargs(model, progress=False, num_threads=2, max_num_seqs=8,
                                        **options)
         warm_up(engine)
-        workload = workload or spec_prompts(engine, 16, 0)
-        for batch, requests in ((1, 4), (8, 16)):
+        workload = workload or spec_prompts(engine, 32, 0)
+        for batch, requests in ((1, 8), (8, 32)):
             run = run_engine_workload(engine, workload[:requests], batch, progress=False)
             results[f"{name}_out_tok_s_b{batch}"] = out_tok_s(run)
     return results
