@@ -148,11 +148,19 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     api = APIRouter(dependencies=[Depends(_auth_dependency(api_key))])
+    _add_generation_routes(api, serving, served_model_name)
+    _add_token_routes(api, serving)
+    add_profile_routes(api, async_engine)
+    app.include_router(api)
+    _document_400_not_422(app)
+    return app
 
+
+def _add_generation_routes(api: APIRouter, serving: OpenAIServing, model_name: str) -> None:
     @api.get("/v1/models")
     async def list_models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name,
-                                         max_model_len=async_engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=model_name,
+                                         max_model_len=serving.async_engine.max_model_len)])
 
     @api.post("/v1/completions", response_model=None,
               responses=_generation_responses(CompletionResponse))
@@ -164,6 +172,8 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(body, raw)
 
+
+def _add_token_routes(api: APIRouter, serving: OpenAIServing) -> None:
     @api.post("/tokenize", responses=_ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
         serving.check_model(body.model)
@@ -177,21 +187,16 @@ def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str
             tokens = await serving.off_loop(serving.inputs.encode, body.prompt,
                                             body.add_special_tokens)
         return TokenizeResponse(tokens=tokens, count=len(tokens),
-                                max_model_len=async_engine.max_model_len)
+                                max_model_len=serving.async_engine.max_model_len)
 
     @api.post("/detokenize", responses=_ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
         serving.check_model(body.model)
-        vocab = async_engine.engine.arch.vocab_size
+        vocab = serving.inputs.vocab_size
         if any(t < 0 or t >= vocab for t in body.tokens):
             raise APIError(400, f"tokens must be integers in [0, {vocab})", param="tokens")
         return DetokenizeResponse(prompt=await serving.off_loop(serving.inputs.decode,
                                                                  body.tokens))
-
-    add_profile_routes(api, async_engine)
-    app.include_router(api)
-    _document_400_not_422(app)
-    return app
 
 
 def _document_400_not_422(app: FastAPI) -> None:

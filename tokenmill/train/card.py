@@ -177,12 +177,10 @@ def _sample_lines(samples: list[dict[str, str]]) -> list[str]:
     return lines
 
 
-def render_card(log: dict, config: dict, weights_bytes: int) -> str:
-    """The README.md text for one model; ``config`` is its saved config.json."""
-    name = log["preset"]
-    held_out = log["held_out"]
+def _description_lines(log: dict, name: str) -> list[str]:
+    """Front matter, what the model is, its data, licence and tokenizer."""
     python_version = platform.python_version()
-    parts = [
+    return [
         "---",
         "license: other",
         "license_name: psf-2.0",
@@ -214,6 +212,13 @@ def render_card(log: dict, config: dict, weights_bytes: int) -> str:
         "`<|endoftext|>` (id 0) is BOS, EOS and padding. It adds no prefix space and "
         "round-trips any string exactly.",
         "",
+    ]
+
+
+def _measurement_lines(log: dict, config: dict, weights_bytes: int) -> list[str]:
+    """Architecture, training run and held-out evaluation."""
+    held_out = log["held_out"]
+    return [
         "## Architecture",
         "",
         "| | |",
@@ -245,6 +250,12 @@ def render_card(log: dict, config: dict, weights_bytes: int) -> str:
         "Non-overlapping windows over the held-out files; every predicted token counts once.",
         "",
     ]
+
+
+def render_card(log: dict, config: dict, weights_bytes: int) -> str:
+    """The README.md text for one model; ``config`` is its saved config.json."""
+    name = log["preset"]
+    parts = _description_lines(log, name) + _measurement_lines(log, config, weights_bytes)
     expert = log["card"].get("expert_load")
     if expert is not None:
         parts += ["## Expert load", "", *_expert_lines(expert), ""]

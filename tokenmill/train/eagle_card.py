@@ -13,19 +13,14 @@ def _thread_counts(steps_at: dict[str, int]) -> str:
 
 def render_eagle_card(log: dict, weights_bytes: int) -> str:
     """Card text: what the head is, its data, its training and its held-out numbers."""
+    parts = (_description_lines(log) + _training_lines(log) + _evaluation_lines(log)
+             + _footer_lines(log, weights_bytes))
+    return "\n".join(parts)
+
+
+def _description_lines(log: dict) -> list[str]:
     target = log["target"]
-    recipe = log["recipe"]
-    schedule = recipe["schedule"]
-    phase = schedule["phases"][0]
-    held_out = log["held_out"]
-    acceptance = log["acceptance"]
-    depth_rates = ", ".join(f"{rate:.2f}" for rate in acceptance["acceptance_by_depth"])
-    start = ("random initialisation" if log.get("init_from") is None else
-             "the head trained for the earlier target weights with SHA-256 "
-             f"`{log['init_from']['weights_sha256'][:16]}...`")
-    budget = (f" (wall-clock cap {log['max_seconds'] / 60:.0f} min)"
-              if log.get("max_seconds") else "")
-    parts = [
+    return [
         f"# EAGLE-1 draft head for {target['name']}",
         "",
         f"A {log['num_parameters'] / 1e6:.2f}M-parameter draft head for speculative decoding "
@@ -50,6 +45,19 @@ def render_eagle_card(log: dict, weights_bytes: int) -> str:
         f"{log['held_out_tokens_in_corpus']:,} held-out tokens. The target's features (final "
         "hidden states after the final norm) are computed on the fly for each batch.",
         "",
+    ]
+
+
+def _training_lines(log: dict) -> list[str]:
+    recipe = log["recipe"]
+    schedule = recipe["schedule"]
+    phase = schedule["phases"][0]
+    start = ("random initialisation" if log.get("init_from") is None else
+             "the head trained for the earlier target weights with SHA-256 "
+             f"`{log['init_from']['weights_sha256'][:16]}...`")
+    budget = (f" (wall-clock cap {log['max_seconds'] / 60:.0f} min)"
+              if log.get("max_seconds") else "")
+    return [
         "## Training",
         "",
         f"Loss SmoothL1(f_hat, f) + {recipe['ce_weight']} x CE(LM head(f_hat), the target's "
@@ -67,6 +75,14 @@ def render_eagle_card(log: dict, weights_bytes: int) -> str:
         "",
         "![loss curve](loss_curve.png)",
         "",
+    ]
+
+
+def _evaluation_lines(log: dict) -> list[str]:
+    held_out = log["held_out"]
+    acceptance = log["acceptance"]
+    depth_rates = ", ".join(f"{rate:.2f}" for rate in acceptance["acceptance_by_depth"])
+    return [
         "## Held-out evaluation",
         "",
         "| measurement | value |",
@@ -96,6 +112,12 @@ def render_eagle_card(log: dict, weights_bytes: int) -> str:
         "target's greedy continuations repeat themselves a lot (see its card), which makes "
         "them easy to draft: expect less on sampled or more varied text.",
         "",
+    ]
+
+
+def _footer_lines(log: dict, weights_bytes: int) -> list[str]:
+    target = log["target"]
+    return [
         f"Weights: {weights_bytes / 1e6:.1f} MB (fp32 safetensors).",
         "",
         "## Reproduce",
@@ -107,4 +129,3 @@ def render_eagle_card(log: dict, weights_bytes: int) -> str:
         "```",
         "",
     ]
-    return "\n".join(parts)
