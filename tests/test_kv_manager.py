@@ -67,6 +67,26 @@ def test_stale_child_does_not_match_a_reused_parent():
     kv.check_integrity()
 
 
+def test_a_block_whose_parent_content_differs_is_not_returned():
+    """A hash that ignores the parent makes "[1, 2] then [3, 4]" and "[7, 8] then [3, 4]"
+    collide on their second block, whose own tokens match too: only the parent
+    identity check tells that its K/V was computed after other tokens."""
+    kv = KVCacheManager(16, 2, hash_fn=lambda parent, tokens: bytes(tokens))
+    compute_all(kv, request("a", [1, 2, 3, 4, 0]))
+    compute_all(kv, request("f", [7, 8, 0]))  # caches [7, 8] in a block of its own
+    found = kv.find_cached_blocks(request("d", [7, 8, 3, 4, 0]))
+    assert found == kv.block_tables["f"][:1]  # [7, 8] only, not a's [3, 4]
+    kv.check_integrity()
+
+
+def test_a_reservation_keeps_blocks_free():
+    kv = KVCacheManager(4, 2)
+    assert not kv.allocate_slots(request("a", [1] * 6), 6, reserve=2)  # 3 of 4, 2 kept
+    assert kv.allocate_slots(request("b", [1] * 4), 4, reserve=2)
+    assert kv.num_free_blocks == 2
+    kv.check_integrity()
+
+
 def test_allocation_failure_changes_nothing():
     kv = KVCacheManager(2, 4)
     req = request("a", list(range(12)))

@@ -13,7 +13,7 @@ from tokenmill.layers.logits_processors import (
     apply_logits_processors,
     build_logits_processors,
 )
-from tokenmill.layers.sampler import build_sampling_batch, filter_logits, sample
+from tokenmill.layers.sampler import build_sampling_batch, filter_logits, position_uniform, sample
 from tokenmill.sampling_params import SamplingParams
 
 VOCAB = 12
@@ -109,17 +109,28 @@ def test_seeded_row_is_independent_of_batch_composition():
     other = SamplingParams(temperature=1.0)
 
     def draws(extra_rows: int, steps: int = 20) -> list[int]:
-        gen = torch.Generator().manual_seed(1234)
         shared = torch.Generator().manual_seed(extra_rows)
         out = []
-        for _ in range(steps):
+        for position in range(steps):
             logits = torch.cat([torch.randn(extra_rows, VOCAB), target])
-            batch = build_sampling_batch([other] * extra_rows + [params],
-                                         [None] * extra_rows + [gen], VOCAB, CPU)
+            uniforms = [None] * extra_rows + [position_uniform(1234, 0, position)]
+            batch = build_sampling_batch([other] * extra_rows + [params], uniforms, VOCAB, CPU)
             out.append(int(sample(logits, batch, shared).token_ids[-1]))
         return out
 
     assert draws(0) == draws(3) == draws(7)
+    assert len(set(draws(0))) > 1  # the uniforms differ by position
+
+
+def test_position_uniforms_are_uniform_and_keyed_by_seed_stream_and_position():
+    values = [position_uniform(7, 0, p) for p in range(20000)]
+    assert 0.0 <= min(values) and max(values) < 1.0
+    assert abs(sum(values) / len(values) - 0.5) < 0.01
+    histogram = torch.histc(torch.tensor(values), bins=10, min=0.0, max=1.0)
+    assert (histogram / len(values) - 0.1).abs().max() < 0.01
+    assert position_uniform(7, 0, 5) == position_uniform(7, 0, 5)
+    assert len({position_uniform(7, 0, 5), position_uniform(8, 0, 5),
+                position_uniform(7, 1, 5), position_uniform(7, 0, 6)}) == 4
 
 
 def test_greedy_rows_take_argmax_and_banned_tokens_are_never_chosen():

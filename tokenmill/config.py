@@ -78,6 +78,12 @@ class SchedulerConfig:
     # Head-of-line blocking bound: how many waiting requests that do not fit may be
     # skipped per step to admit smaller ones behind them.
     max_admission_skips: int = 8
+    # Fairness: once this many later requests have been admitted ahead of a waiting
+    # request that does not fit, nothing behind it is admitted until it runs.
+    fair_admission_passes: int = 8
+    # A request preempted this many times is not chosen again while another running
+    # request (other than the earliest arrival) can be.
+    max_preemptions_per_request: int = 2
 
     def __post_init__(self) -> None:
         _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
@@ -96,6 +102,10 @@ class SchedulerConfig:
         _require(self.starvation_wait_s > 0, "starvation_wait_s", "> 0", self.starvation_wait_s)
         _require(self.max_admission_skips >= 0, "max_admission_skips", ">= 0",
                  self.max_admission_skips)
+        _require(self.fair_admission_passes >= 0, "fair_admission_passes", ">= 0",
+                 self.fair_admission_passes)
+        _require(self.max_preemptions_per_request >= 0, "max_preemptions_per_request", ">= 0",
+                 self.max_preemptions_per_request)
 
     @property
     def prefill_chunk_size(self) -> int:

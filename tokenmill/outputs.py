@@ -65,7 +65,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     # The stop string or stop token id that ended the completion, if any.
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprob] | None = None
@@ -87,6 +87,9 @@ class RequestOutput:
     # One entry per prompt token; the first is None (nothing predicts it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
     num_cached_tokens: int = 0
+    # Set when the engine failed this request (its completion ended with finish_reason
+    # "error"); the other requests of the step it failed in went on.
+    error: str | None = None
 
     @property
     def metrics(self) -> RequestMetrics | None:

@@ -5,6 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+# Temperatures below this are treated as greedy (0): dividing logits by them overflows
+# float32 into infinities, which sampled garbage; greedy is their limit.
+GREEDY_TEMPERATURE = 1e-5
+# Integer fields the engine turns into int32/int64 tensors or list indices.
+MAX_INT32 = 2**31 - 1
+# OpenAI's range for a logit_bias value.
+MAX_LOGIT_BIAS = 100.0
 
 
 def _check(ok: bool, name: str, allowed: str, value: object) -> None:
@@ -36,6 +43,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # token id -> value added to its logit before sampling (OpenAI's logit_bias).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -51,10 +60,13 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", "<= max_tokens",
                    self.min_tokens)
-        _check(0.0 <= self.temperature <= 100.0, "temperature", "in [0, 100]", self.temperature)
+        _check(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
+               "temperature", "in [0, 100]", self.temperature)
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
-        _check(isinstance(self.top_k, int) and self.top_k >= -1, "top_k",
-               "an integer >= -1 (0 or -1 disables it)", self.top_k)
+        _check(isinstance(self.top_k, int) and -1 <= self.top_k <= MAX_INT32, "top_k",
+               f"an integer in [-1, {MAX_INT32}] (0 or -1 disables it)", self.top_k)
         _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]",
                self.presence_penalty)
@@ -72,8 +84,19 @@ class SamplingParams:
                        f"an integer in [0, {MAX_LOGPROBS}]", value)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "a list of non-empty strings", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "a list of non-negative token ids", self.stop_token_ids)
+        _check(all(isinstance(t, int) and 0 <= t <= MAX_INT32 for t in self.stop_token_ids),
+               "stop_token_ids", "a list of token ids", self.stop_token_ids)
+        if self.logit_bias is not None:
+            self._check_logit_bias()
+
+    def _check_logit_bias(self) -> None:
+        _check(isinstance(self.logit_bias, dict), "logit_bias",
+               "a map of token ids to numbers", self.logit_bias)
+        for token, bias in self.logit_bias.items():
+            _check(isinstance(token, int) and 0 <= token <= MAX_INT32, "logit_bias",
+                   "keyed by token ids", token)
+            _check(isinstance(bias, (int, float)) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                   "logit_bias", f"values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", bias)
 
     @property
     def greedy(self) -> bool:

@@ -181,3 +181,34 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(engine):
     assert response.json()["error"]["code"] == "context_length_exceeded"
     assert len(latencies) >= 5, "the huge prompt was tokenized too fast to observe"
     assert max(latencies) < 0.25, latencies
+
+
+def test_a_request_that_fails_alone_is_a_500_and_its_neighbours_are_served(engine,
+                                                                           monkeypatch):
+    from tokenmill.runner.sampling import StepSampler
+
+    good = {**REQUEST, "max_tokens": 8, "seed": 3, "temperature": 1.0}
+
+    async def alone(client, async_engine):
+        return (await client.post("/v1/completions", json=good)).json()
+
+    expected = run_with_app(engine, alone)["choices"][0]["text"]
+    real = StepSampler.run
+
+    def run(self, requests, *args, **kwargs):
+        if any(r.sampling is not None and r.sampling.params.seed == 666 for r in requests):
+            raise RuntimeError("injected failure for seed 666")
+        return real(self, requests, *args, **kwargs)
+
+    monkeypatch.setattr(StepSampler, "run", run)
+
+    async def together(client, async_engine):
+        bad = client.post("/v1/completions", json={**good, "seed": 666})
+        return await asyncio.gather(bad, client.post("/v1/completions", json=good))
+
+    bad, served = run_with_app(engine, together)
+    assert bad.status_code == 500 and "seed 666" in bad.json()["error"]["message"]
+    assert served.status_code == 200
+    assert served.json()["choices"][0]["text"] == expected
+    assert engine.kv_manager.usage == 0.0
+    engine.check_integrity()

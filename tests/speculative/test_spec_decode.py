@@ -113,6 +113,26 @@ def test_seeded_sampled_speculation_does_not_depend_on_the_batch(llama_dir, mode
     assert crowd[1] == alone[0]
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_seeded_sampling_gives_the_same_text_with_speculation_on_or_off(
+        llama_dir, model_factory, eagle_head_dir, method):
+    """A seeded request's draws are keyed by position, and its drafts are verified by
+    sampling and comparing: the adaptive switch (which changes k with wall-clock
+    timings), the batch and the method change nothing. Penalties, min_tokens and a
+    logit bias apply to verification rows as to plain decoding."""
+    params = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=32, seed=s,
+                             ignore_eos=True) for s in range(len(PROMPTS))]
+    params[1] = SamplingParams(temperature=0.8, max_tokens=32, seed=99, min_tokens=20,
+                               repetition_penalty=1.2, frequency_penalty=0.3,
+                               logit_bias={7: 2.0, 11: -100.0})
+    plain = run(make_engine(llama_dir), PROMPTS, params, arrivals=[0, 1, 1, 3, 4])
+    engine = make_engine(llama_dir, **spec_options(method, model_factory, llama_dir,
+                                                   eagle_head_dir))
+    assert run(engine, PROMPTS, params, arrivals=[0, 1, 1, 3, 4]) == plain
+    assert 11 not in plain[1]
+    assert engine.stats.spec_draft_tokens > 0
+
+
 def test_logprobs_and_stop_inside_accepted_drafts(llama_dir, reference):
     # The stop token sits in the middle of what the draft (the target itself) proposes:
     # nothing after it may leak, and every emitted token carries its logprob.

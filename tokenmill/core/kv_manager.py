@@ -135,11 +135,12 @@ class KVCacheManager:
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Sequence, num_new_tokens: int,
-                       cached_blocks: list[int] | None = None) -> bool:
+                       cached_blocks: list[int] | None = None, reserve: int = 0) -> bool:
         """Make room for num_new_tokens beyond the request's computed tokens.
 
         cached_blocks (from find_cached_blocks, at admission) become the head of the
-        block table. Returns False, changing nothing, when the pool is too small.
+        block table. Returns False, changing nothing, when the pool is too small or
+        would keep fewer than `reserve` blocks free.
         """
         cached_blocks = cached_blocks or []
         table = self.block_tables.get(request.request_id, [])
@@ -147,7 +148,7 @@ class KVCacheManager:
         needed = self.blocks_needed(num_computed + num_new_tokens) - len(table) - len(cached_blocks)
         # Cached hits that sit in the free queue are taken by reference, not allocation.
         reclaimed = sum(1 for b in cached_blocks if self.blocks[b].ref_count == 0)
-        if needed > len(self.free_queue) - reclaimed:
+        if needed > 0 and needed > len(self.free_queue) - reclaimed - reserve:
             return False
         table = self.block_tables.setdefault(request.request_id, table)
         if self.enable_prefix_caching and request.num_computed_tokens == 0 and not table:

@@ -44,11 +44,16 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.finish_reason: str | None = None
+        # Why the engine failed it, when finish_reason is "error".
+        self.error: str | None = None
         self.stop_reason: str | int | None = None
         self.metrics = RequestMetrics(arrival_time=arrival_time)
         # A sibling (same prompt, n > 1) whose prefill this request waits for so that
         # it can share the prompt's blocks through the prefix cache.
         self.prefix_source: Request | None = None
+        # Later requests admitted ahead of this one while it waited and did not fit
+        # (reset when it is admitted): the scheduler's fairness counter.
+        self.passed_over = 0
         self.logprobs: list[TokenLogprob] | None = (
             [] if sampling_params.logprobs is not None else None)
         self.cumulative_logprob = 0.0

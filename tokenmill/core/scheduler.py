@@ -5,6 +5,19 @@ running decodes first, then partial prefills, then admissions from the waiting
 queue (reversed into prefills-first when the waiting queue starves). When the
 block pool runs out, the latest-arrived running request is preempted and later
 recomputed from scratch.
+
+Fairness, per request:
+- a waiting request that does not fit may be skipped so that smaller ones behind it
+  run, but once `fair_admission_passes` later requests have been admitted ahead of
+  it, nothing behind it is admitted until it runs (the pool drains for it: it fits
+  alone, checked when it was added);
+- a request preempted `max_preemptions_per_request` times is readmitted only when the
+  pool holds the rest of its tokens and everything the running requests still need;
+  while it runs every admission keeps that promise (reserves what the newcomer and
+  the running requests need to finish), and it is never chosen as a victim again. So
+  no request is preempted more than max_preemptions_per_request times;
+- in prefills-first mode admissions leave a free block per running decode, so the
+  prefills that overtook the decodes do not preempt them.
 """
 
 from __future__ import annotations
@@ -84,8 +97,9 @@ class Scheduler:
             # Prefills jump the queue only with blocks that are free: letting them
             # preempt here could evict the decodes they just overtook, forever. Those
             # left out get a normal turn (which may preempt) after the decodes.
-            self._schedule_running(partials, granted, out, may_preempt=False)
-            self._admit(granted)
+            keep_free = len(decodes)  # a decode needs at most one new block per step
+            self._schedule_running(partials, granted, out, may_preempt=False, reserve=keep_free)
+            self._admit(granted, reserve=keep_free)
             self._schedule_running(decodes, granted, out)
             self._schedule_running([r for r in partials if r not in granted], granted, out)
         else:
@@ -132,7 +146,8 @@ class Scheduler:
         return self._budget if remaining > self.config.max_num_batched_tokens else 0
 
     def _schedule_running(self, requests: list[Request], granted: dict[Request, int],
-                          out: SchedulerOutput, may_preempt: bool = True) -> None:
+                          out: SchedulerOutput, may_preempt: bool = True, reserve: int = 0
+                          ) -> None:
         for request in requests:
             if request.status != RequestStatus.RUNNING or self._budget <= 0:
                 continue
@@ -141,10 +156,10 @@ class Scheduler:
                 continue
             if num_new == 1 and request.spec_token_ids:
                 num_new = self._lookahead(request)
-            while not self.kv.allocate_slots(request, num_new):
-                if not may_preempt:
-                    break
-                victim = self._latest_arrival()
+            while not self.kv.allocate_slots(request, num_new, reserve=reserve):
+                victim = self._preemption_victim() if may_preempt else None
+                if victim is None:
+                    break  # nobody may yield a block: this request waits a step
                 self._preempt(victim, granted, out)
                 if victim is request:
                     break
@@ -163,10 +178,20 @@ class Scheduler:
             request.spec_token_ids = request.spec_token_ids[:keep]
         return num_new
 
-    def _latest_arrival(self) -> Request:
-        """The preemption victim. The earliest arrival is never chosen while others run,
-        so it always progresses and fits the pool alone: no livelock."""
-        return max(reversed(self.running), key=lambda r: r.metrics.arrival_time)
+    def _pinned(self, request: Request) -> bool:
+        """Preempted as often as allowed: readmitted with room to finish, never again a
+        victim."""
+        return request.metrics.num_preemptions >= self.config.max_preemptions_per_request
+
+    def _preemption_victim(self) -> Request | None:
+        """The latest arrival that is neither pinned nor the earliest arrival (which
+        always progresses and fits the pool alone: no livelock); None when there is
+        none (then the requests that run have room to finish: see _completion_reserve)."""
+        earliest = min(self.running, key=lambda r: r.metrics.arrival_time)
+        if len(self.running) == 1:
+            return None if self._pinned(earliest) else earliest
+        candidates = [r for r in self.running if r is not earliest and not self._pinned(r)]
+        return max(reversed(candidates), key=lambda r: r.metrics.arrival_time, default=None)
 
     def _preempt(self, victim: Request, granted: dict[Request, int], out: SchedulerOutput) -> None:
         self.running.remove(victim)
@@ -182,8 +207,10 @@ class Scheduler:
         logger.warning("preempted request %s (recompute of %d tokens); total preemptions %d",
                        victim.request_id, victim.num_tokens, self.num_preemptions)
 
-    def _admit(self, granted: dict[Request, int]) -> None:
-        skips = 0
+    def _admit(self, granted: dict[Request, int], reserve: int = 0) -> None:
+        """Admit waiting requests in order while budget, blocks (beyond `reserve`) and
+        max_num_seqs allow."""
+        skipped: list[Request] = []
         index = 0
         while (index < len(self.waiting) and self._budget > 0
                and len(self.running) < self.config.max_num_seqs):
@@ -194,14 +221,20 @@ class Scheduler:
             cached = self.kv.find_cached_blocks(request) if request.uses_prefix_cache else []
             num_computed = len(cached) * self.kv.block_size
             num_new = self._num_new_tokens(request, num_computed)
-            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached):
+            keep_free = reserve + self._completion_reserve(request, num_computed + num_new)
+            if num_new == 0 or not self.kv.allocate_slots(request, num_new, cached, keep_free):
                 # Does not fit now: let smaller requests behind it in, a bounded number
-                # of times per step, so it is not starved either.
-                skips += 1
-                if skips > self.config.max_admission_skips:
+                # of times per step, and only until it has been passed over enough.
+                if request.passed_over >= self.config.fair_admission_passes:
+                    break
+                skipped.append(request)
+                if len(skipped) > self.config.max_admission_skips:
                     break
                 index += 1
                 continue
+            for earlier in skipped:
+                earlier.passed_over += 1
+            request.passed_over = 0
             del self.waiting[index]
             request.num_computed_tokens = num_computed
             request.metrics.num_cached_tokens = max(request.metrics.num_cached_tokens, num_computed)
@@ -209,6 +242,21 @@ class Scheduler:
             self.running.append(request)
             granted[request] = num_new
             self._budget -= num_new
+
+    def _completion_reserve(self, request: Request, first_chunk_end: int) -> int:
+        """Blocks to keep free when admitting `request`: none, unless it is pinned or a
+        pinned request runs; then the pool must also hold the rest of the newcomer's
+        tokens and everything the running requests still need to finish. That keeps
+        the invariant "free blocks cover every running request's remaining need" for
+        as long as a pinned request runs, so none of them needs a victim."""
+        if not (self._pinned(request) or any(self._pinned(r) for r in self.running)):
+            return 0
+        kv = self.kv
+        own = (kv.blocks_needed(request.num_prompt_tokens + request.max_tokens)
+               - kv.blocks_needed(first_chunk_end))
+        running = sum(kv.blocks_needed(r.num_prompt_tokens + r.max_tokens)
+                      - len(kv.get_block_table(r.request_id)) for r in self.running)
+        return max(own, 0) + max(running, 0)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -87,6 +87,9 @@ class RequestStepOutput:
 @dataclass
 class StepOutput:
     outputs: dict[str, RequestStepOutput] = field(default_factory=dict)
+    # Requests the step could not be run for (request id -> what went wrong); set by
+    # the engine when it retries a failed step request by request.
+    failed: dict[str, str] = field(default_factory=dict)
 
     def output(self, request_id: str) -> RequestStepOutput:
         """The request's entry, created on first use."""

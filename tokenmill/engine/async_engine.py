@@ -11,8 +11,10 @@ completions counts n) are in flight; beyond that `add_request` raises QueueFullE
 at once, which the server turns into 429 with Retry-After.
 
 Failures stay local: a request the engine rejects or fails ends its own stream with
-the exception; a step that raises fails the requests that were running in it and the
-loop keeps serving the rest.
+the exception. When a step fails, the engine reruns its requests one at a time and
+fails only those that fail alone (RequestOutput.error); if the step still raises, the
+requests running in it fail and the loop keeps serving the rest. A worker process
+that dies stops the loop: every request fails with EngineStoppedError.
 """
 
 from __future__ import annotations
@@ -312,6 +314,12 @@ class AsyncLLMEngine:
     def _deliver(self, output: RequestOutput) -> None:
         entry = self._streams.get(output.request_id)
         if entry is None:
+            return
+        if output.error is not None and output.finished:
+            # The engine failed this request alone (the others of its step went on).
+            del self._streams[output.request_id]
+            entry[0].deliver(RequestFailedError(output.error))
+            self._release(entry[1])
             return
         entry[0].deliver(output)
         if output.finished:

@@ -12,6 +12,8 @@ and kernels are behind the executor, reached only with plain data.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections.abc import Iterable
 
@@ -26,10 +28,13 @@ from tokenmill.core.step import StepInput, StepOutput, build_step
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.engine.output_processor import RequestGroup, check_stop, group_output
+from tokenmill.executor.base import WorkerDiedError
 from tokenmill.executor.factory import create_executor
 from tokenmill.outputs import RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.driver import SpeculativeDriver
+
+logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -57,6 +62,8 @@ class LLMEngine:
         # Finished requests whose worker-side state (sampling streams, proposer KV) is
         # released at the end of the step.
         self._finished_ids: list[str] = []
+        # Groups with a request the engine failed this step (their output is reported).
+        self._failed_groups: list[RequestGroup] = []
         # Optional step tracer (tokenmill.profile.StepTracer); None costs nothing.
         self.tracer = None
 
@@ -141,7 +148,9 @@ class LLMEngine:
             sched, self.info.needs_hidden_states))
         step = build_step(sched, self.kv_manager, keep_hidden)
         started = time.perf_counter()
-        output = self.executor.execute(step)
+        output = self._execute(step)
+        if output.failed:
+            sched, step = self._fail_requests(sched, step, output.failed)
         if speculation is not None:
             speculation.after_execute(sched, step, output, time.perf_counter() - started)
         generated_before = self.stats.generation_tokens
@@ -156,11 +165,56 @@ class LLMEngine:
             tracer.end_step()
         return outputs
 
+    def _execute(self, step: StepInput) -> StepOutput:
+        """Run the step; if it fails, run its requests one at a time, so that a request
+        that makes a step fail fails alone (StepOutput.failed) and the others go on with
+        exactly the tokens they would have had (greedy and seeded sampling)."""
+        try:
+            return self.executor.execute(step)
+        except WorkerDiedError:
+            raise
+        except Exception as exc:
+            if len(step.requests) == 1:
+                logger.exception("step failed for request %s", step.requests[0].request_id)
+                return StepOutput(failed={step.requests[0].request_id: repr(exc)})
+            logger.exception("step of %d requests failed; retrying them one at a time",
+                             len(step.requests))
+        merged = StepOutput()
+        for index, request in enumerate(step.requests):
+            single = StepInput([request], step.preempted_request_ids if index == 0 else [],
+                               step.keep_hidden_states)
+            try:
+                merged.outputs.update(self.executor.execute(single).outputs)
+            except WorkerDiedError:
+                raise
+            except Exception as exc:
+                logger.exception("request %s fails a step on its own", request.request_id)
+                merged.failed[request.request_id] = repr(exc)
+        return merged
+
+    def _fail_requests(self, sched: SchedulerOutput, step: StepInput, failed: dict[str, str]
+                       ) -> tuple[SchedulerOutput, StepInput]:
+        """Finish the failed requests ("error"); the step without them."""
+        kept = [(pair, scheduled) for pair, scheduled in zip(sched.scheduled, step.requests,
+                                                             strict=True)
+                if scheduled.request_id not in failed]
+        for request, _ in sched.scheduled:
+            if request.request_id in failed:
+                request.error = f"the engine failed while running this request: " \
+                                f"{failed[request.request_id]}"
+                self._finish(request, "error")
+                group, _ = self._requests[request.request_id]
+                self._failed_groups.append(group)
+        sched = dataclasses.replace(sched, scheduled=[pair for pair, _ in kept])
+        step = dataclasses.replace(step, requests=[scheduled for _, scheduled in kept])
+        return sched, step
+
     def _update_requests(self, sched: SchedulerOutput, step: StepInput, output: StepOutput
                          ) -> list[RequestOutput]:
         self.stats.num_steps += 1
         now = time.monotonic()
-        touched: dict[str, RequestGroup] = {}
+        touched: dict[str, RequestGroup] = {g.request_id: g for g in self._failed_groups}
+        self._failed_groups = []
         for (request, num_new), scheduled in zip(sched.scheduled, step.requests, strict=True):
             group, index = self._requests[request.request_id]
             touched[group.request_id] = group

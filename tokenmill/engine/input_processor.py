@@ -54,6 +54,14 @@ class InputProcessor:
                              f"model's context of {self.max_model_len} tokens")
         room = self.max_model_len - len(token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.min_tokens > max_tokens:
+            raise ValueError(f"min_tokens ({params.min_tokens}) must be at most the tokens "
+                             f"the context leaves for this prompt ({max_tokens})")
+        vocab_ids = [*params.stop_token_ids, *(params.logit_bias or {})]
+        if any(t >= vocab for t in vocab_ids):
+            field = ("stop_token_ids" if any(t >= vocab for t in params.stop_token_ids)
+                     else "logit_bias")
+            raise ValueError(f"{field}: token ids must be in [0, {vocab})")
         need = -(-(len(token_ids) + max_tokens) // self.block_size)
         if need > self.num_blocks:
             raise ValueError(

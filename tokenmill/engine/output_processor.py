@@ -61,6 +61,7 @@ def group_output(group: RequestGroup) -> RequestOutput:
             cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
             metrics=child.metrics))
     first = group.children[0]
+    error = next((child.error for child in group.children if child.error), None)
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,
                          group.finished, prompt_logprobs=first.prompt_logprobs,
-                         num_cached_tokens=first.metrics.num_cached_tokens)
+                         num_cached_tokens=first.metrics.num_cached_tokens, error=error)

@@ -8,7 +8,7 @@ that position's logits row in place. Processors of one kind are applied together
 Logprobs are reported from the raw model distribution, before any processor.
 
 Order: banned tokens (min_tokens keeps EOS and stop ids away) -> repetition /
-presence / frequency penalties. A new kind (logit bias, a thinking budget, a grammar)
+presence / frequency penalties -> logit bias (OpenAI's, added last). A new kind (logit bias, a thinking budget, a grammar)
 is a class here and one entry in `LOGITS_PROCESSORS`.
 """
 
@@ -110,8 +110,29 @@ class Penalties(LogitsProcessor):
         return cls(params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
 
 
+@dataclass(frozen=True)
+class LogitBias(LogitsProcessor):
+    """OpenAI's logit_bias: a value added to given tokens' logits (-100 bans, +100
+    nearly forces)."""
+
+    token_ids: tuple[int, ...]
+    values: tuple[float, ...]
+
+    def apply(self, logits: torch.Tensor, history: TokenHistory) -> None:
+        index = torch.tensor(self.token_ids, dtype=torch.int64, device=logits.device)
+        bias = torch.tensor(self.values, dtype=logits.dtype, device=logits.device)
+        logits.index_add_(0, index, bias)
+
+    @classmethod
+    def build(cls, params: SamplingParams, history: TokenHistory) -> LogitBias | None:
+        if not params.logit_bias:
+            return None
+        tokens = tuple(params.logit_bias)
+        return cls(tokens, tuple(float(params.logit_bias[t]) for t in tokens))
+
+
 # Every kind, in the order they apply.
-LOGITS_PROCESSORS: list[type] = [BanTokens, Penalties]
+LOGITS_PROCESSORS: list[type] = [BanTokens, Penalties, LogitBias]
 
 
 def build_logits_processors(params: SamplingParams, history: TokenHistory

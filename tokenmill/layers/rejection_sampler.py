@@ -8,13 +8,22 @@ rejection draw from norm(max(p_i - q_i, 0)) and stop; when every draft is accept
 draw a bonus token from p_{k+1}. p and q are the distributions after the request's
 temperature / min-p / top-k / top-p processing, so the emitted tokens follow exactly
 the distribution plain sampling would draw from.
+
+Seeded sampling (`verify_by_sampling`): the target's token at each position is drawn
+exactly as plain sampling draws it, with the request's position-keyed uniform, and a
+draft is accepted while it equals that token. The emitted tokens are then not only
+distributed as plain sampling's but identical to them, so a seeded request returns the
+same text with speculation on or off. For a deterministic draft (n-gram, greedy) this
+is rejection sampling itself (accepted with probability p(x), the residual is p
+without x); for a sampled draft it accepts less often than min(1, p / q) would (the
+draft is drawn with the same uniform, which couples it to the target's draw).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.sampler import build_sampling_batch, filter_logits
+from tokenmill.layers.sampler import build_sampling_batch, filter_logits, sample
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -38,7 +47,7 @@ def verify_greedy(target_argmax: list[int], draft: list[int]) -> list[int]:
     """Tokens to emit: the accepted drafts then the target's own next token.
 
     target_argmax[i] is the target's choice after the context plus draft[:i]
-    (len(draft) + 1 entries).
+    (len(draft) + 1 entries): its argmax, or (verify_by_sampling) its seeded draw.
     """
     emitted = []
     for proposed, chosen in zip(draft, target_argmax, strict=False):
@@ -89,3 +98,13 @@ def _draw(probs: torch.Tensor, u: float) -> int:
     cdf = probs.cumsum(0)
     index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], device=cdf.device)))
     return min(index, probs.shape[0] - 1)
+
+
+def verify_by_sampling(logits: torch.Tensor, params: SamplingParams, draft: list[int],
+                       uniforms: list[float]) -> list[int]:
+    """Seeded verification: the target's draws at the k + 1 positions (processed
+    logits [k + 1, V], uniforms from position_uniform), drafts accepted while equal."""
+    batch = build_sampling_batch([params] * len(uniforms), list(uniforms), logits.shape[-1],
+                                 logits.device)
+    drawn = sample(logits, batch, torch.Generator()).token_ids.tolist()
+    return verify_greedy(drawn, draft)

@@ -1,11 +1,14 @@
 """Vectorised sampling over a batch of logits rows, with OpenAI/vLLM semantics.
 
 The logits arrive after the requests' logits processors (layers/logits_processors.py:
-banned tokens, penalties). Then: greedy argmax, or temperature -> min_p -> top_k ->
-top_p -> inverse-CDF draw. Each row draws its random number from its own generator
-when the request has a seed, so a seeded request samples the same tokens whatever
-else shares the batch. Logprobs are those of the raw model distribution (before
-processors and temperature), as vLLM reports them.
+banned tokens, penalties, logit bias). Then: greedy argmax, or temperature -> min_p ->
+top_k -> top_p -> inverse-CDF draw over the tokens in descending order. A seeded
+request's uniform for the token at sequence position t is a function of (seed,
+sample index, t) alone (`position_uniform`, a counter-based hash), so it samples the
+same tokens whatever else shares the batch, after a preemption, and with speculative
+decoding on or off; unseeded rows draw from one shared generator. Logprobs are those
+of the raw model distribution (before processors and temperature), as vLLM reports
+them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ class SamplingBatch:
     top_k: torch.Tensor  # [B] int; >= vocab when disabled
     top_p: torch.Tensor  # [B] float
     min_p: torch.Tensor  # [B] float
-    generators: list[torch.Generator | None]  # per row; None: the shared generator
+    # Per row: its uniform (seeded requests: position_uniform), or None to draw one
+    # from the shared generator.
+    uniforms: list[float | None]
     num_logprobs: int | None = None  # top alternatives to report (max over rows)
 
     @property
@@ -40,7 +45,7 @@ class SamplerOutput:
     top_logprobs: torch.Tensor | None = None  # [B, N]
 
 
-def build_sampling_batch(params: list[SamplingParams], generators: list[torch.Generator | None],
+def build_sampling_batch(params: list[SamplingParams], uniforms: list[float | None],
                          vocab_size: int, device: torch.device) -> SamplingBatch:
     def column(values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype, device=device)
@@ -51,7 +56,7 @@ def build_sampling_batch(params: list[SamplingParams], generators: list[torch.Ge
         top_k=column([p.top_k if p.top_k > 0 else vocab_size for p in params], torch.int64),
         top_p=column([p.top_p for p in params], torch.float32),
         min_p=column([p.min_p for p in params], torch.float32),
-        generators=generators,
+        uniforms=uniforms,
         num_logprobs=max(wanted) if wanted else None,
     )
 
@@ -77,10 +82,28 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Ten
     return sorted_logits, order
 
 
-def draw_uniforms(generators: list[torch.Generator | None], shared: torch.Generator,
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniform(seed: int, stream: int, position: int) -> float:
+    """U[0, 1) that depends only on (seed, stream, position): splitmix64, a counter-based
+    generator (stream: the completion's index in an n > 1 request; position: the token's
+    index in the sequence)."""
+    bits = _splitmix64(_splitmix64(_splitmix64(seed) ^ stream) ^ position)
+    return (bits >> 11) * (1.0 / (1 << 53))
+
+
+def draw_uniforms(uniforms: list[float | None], shared: torch.Generator,
                   device: torch.device) -> torch.Tensor:
-    """One U[0,1) per row: from the row's own generator if seeded, else the shared one."""
-    values = [float(torch.rand(1, generator=g if g is not None else shared)) for g in generators]
+    """One U[0,1) per row: the row's own (seeded) value, else one from the shared generator."""
+    values = [u if u is not None else float(torch.rand(1, generator=shared)) for u in uniforms]
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
@@ -92,7 +115,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator,
     if not batch.all_greedy:
         sorted_logits, order = filter_logits(logits, batch)
         cdf = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-        u = draw_uniforms(batch.generators, shared, logits.device) * cdf[:, -1]
+        u = draw_uniforms(batch.uniforms, shared, logits.device) * cdf[:, -1]
         index = torch.searchsorted(cdf, u.unsqueeze(1)).clamp_(max=cdf.shape[-1] - 1)
         sampled = order.gather(1, index).squeeze(1)
         token_ids = torch.where(batch.temperature > 0, sampled, token_ids)
@@ -113,3 +136,13 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int
     top_logprobs, top_ids = logprobs.topk(num_top, dim=-1) if num_top else (
         logprobs[:, :0], token_ids.new_zeros(len(token_ids), 0))
     return chosen, ranks, top_ids, top_logprobs
+
+
+def sorted_inverse_cdf(probs: torch.Tensor, u: float) -> int:
+    """The token an inverse-CDF draw with uniform u picks from probs [V], the tokens
+    taken in descending order as `sample` does (so two close distributions drawn with
+    the same u mostly agree: a seeded draft is coupled to the target's draw)."""
+    ordered, order = probs.sort(descending=True)
+    cdf = ordered.cumsum(0)
+    index = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], device=cdf.device)))
+    return int(order[min(index, probs.shape[0] - 1)])

@@ -5,8 +5,11 @@ Logits are computed only at the rows that produce a token (the last row of a req
 that reaches its end, every row of a verification) and at the prompt positions whose
 logprobs were asked for. Each position's logits pass through the request's logits
 processors (layers/logits_processors.py) with the history that precedes it, so a
-verification row i sees the drafts before it as output. A seeded request draws from
-its own generator (seed + sample index) for as long as it lives, across preemptions.
+verification row i sees the drafts before it as output. A seeded request's draws are
+keyed by its seed, sample index and token position (layers/sampler.py
+`position_uniform`): the same tokens whatever shares the batch, across preemptions,
+and with speculation on or off (its drafts are verified by sampling and comparing);
+unseeded requests share one generator seeded from the engine's seed.
 """
 
 from __future__ import annotations
@@ -24,8 +27,18 @@ from tokenmill.layers.logits_processors import (
     apply_logits_processors,
     build_logits_processors,
 )
-from tokenmill.layers.rejection_sampler import processed_probs, verify_greedy, verify_sampled
-from tokenmill.layers.sampler import build_sampling_batch, sample, token_logprobs
+from tokenmill.layers.rejection_sampler import (
+    processed_probs,
+    verify_by_sampling,
+    verify_greedy,
+    verify_sampled,
+)
+from tokenmill.layers.sampler import (
+    build_sampling_batch,
+    position_uniform,
+    sample,
+    token_logprobs,
+)
 from tokenmill.outputs import TokenLogprob
 from tokenmill.runner.model_runner import PreparedBatch
 
@@ -35,29 +48,10 @@ ProcessedRow = tuple[list[LogitsProcessor], TokenHistory]
 class StepSampler:
     def __init__(self, model: torch.nn.Module, seed: int = 0) -> None:
         self.model = model  # its compute_logits turns hidden states into logits
+        # Unseeded requests' draws: one stream for the engine, seeded from its seed.
         self.generator = torch.Generator().manual_seed(seed)
-        self._request_generators: dict[str, torch.Generator] = {}
         # Optional step tracer (tokenmill.profile.StepTracer); None costs nothing.
         self.tracer = None
-
-    def release(self, request_id: str) -> None:
-        self._request_generators.pop(request_id, None)
-
-    @property
-    def has_request_state(self) -> bool:
-        return bool(self._request_generators)
-
-    def generator_for(self, request_id: str, sampling: SamplingRequest
-                      ) -> torch.Generator | None:
-        seed = sampling.params.seed
-        if seed is None:
-            return None
-        generator = self._request_generators.get(request_id)
-        if generator is None:
-            # Children of one n > 1 request get distinct streams from the same seed.
-            generator = torch.Generator().manual_seed(seed + sampling.sample_index)
-            self._request_generators[request_id] = generator
-        return generator
 
     def run(self, requests: list[ScheduledRequest], batch: PreparedBatch,
             hidden: torch.Tensor, draft_probs: dict[str, torch.Tensor]) -> StepOutput:
@@ -94,9 +88,9 @@ class StepSampler:
         samplings = [r.sampling for r in requests]
         params = [s.params for s in samplings]
         per_row = [_processors(s, 0, []) for s in samplings]
-        batch = build_sampling_batch(
-            params, [self.generator_for(r.request_id, r.sampling) for r in requests],
-            logits.shape[-1], logits.device)
+        uniforms = [_seeded_uniform(r.sampling, r.num_computed_tokens + r.num_new_tokens)
+                    for r in requests]
+        batch = build_sampling_batch(params, uniforms, logits.shape[-1], logits.device)
         raw = logits.log_softmax(dim=-1) if batch.num_logprobs is not None else None
         out = sample(apply_logits_processors(logits, per_row), batch, self.generator, raw)
         token_ids = out.token_ids.tolist()
@@ -129,12 +123,17 @@ class StepSampler:
             rows = slice(row, row + k + 1)
             if params.temperature == 0:
                 emitted = verify_greedy(greedy_choice[rows], drafts)
+            elif params.seed is not None:
+                # The positions of the k + 1 tokens this verification may emit.
+                first = request.num_computed_tokens + 1
+                emitted = verify_by_sampling(
+                    processed[rows], params, drafts,
+                    [_seeded_uniform(request.sampling, first + i) for i in range(k + 1)])
             else:
                 q = draft_probs.get(request.request_id)
                 p = processed_probs(processed[rows], [params] * (k + 1))
                 emitted = verify_sampled(p, drafts, q[:k] if q is not None else None,
-                                         self.generator_for(request.request_id, request.sampling)
-                                         or self.generator)
+                                         self.generator)
             output = result.output(request.request_id)
             output.token_ids = emitted
             if params.logprobs is not None:
@@ -152,6 +151,12 @@ class StepSampler:
         logprobs = self.model.compute_logits(rows).log_softmax(dim=-1)
         result.output(request.request_id).prompt_logprobs = logprob_entries(
             logprobs, wanted.target_token_ids, wanted.num_top)
+
+
+def _seeded_uniform(sampling: SamplingRequest, position: int) -> float | None:
+    """The uniform of a seeded request's token at sequence position `position`."""
+    seed = sampling.params.seed
+    return None if seed is None else position_uniform(seed, sampling.sample_index, position)
 
 
 def _processors(sampling: SamplingRequest, extra: int, extra_ids: list[int]) -> ProcessedRow:

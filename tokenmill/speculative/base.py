@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.core.step import ProposalRequest
+from tokenmill.layers.sampler import position_uniform, sorted_inverse_cdf
 
 # Most verified positions one catch-up runs for a request: after a longer gap (a new
 # prompt, or a stretch without speculation) a stateful proposer restarts on the
@@ -70,28 +71,18 @@ class Proposer(ABC):
 class DraftSampler:
     """Draws sampled requests' draft tokens from q.
 
-    A request with a seed draws from its own generator (seeded from the request's
-    seed, offset so it is not the verifier's stream), so its drafts, and therefore
-    its output, do not depend on what else shares the batch; unseeded requests share
-    one generator.
+    A seeded request's draft for sequence position t uses the uniform its verification
+    will draw the target's token at t with (layers/sampler.py `position_uniform`): the
+    two draws are coupled, so a draft close to the target agrees with it more often
+    (seeded requests are verified by sampling and comparing, which keeps their output
+    identical to plain sampling). Unseeded requests share one generator.
     """
-
-    SEED_OFFSET = 0x5EED
 
     def __init__(self, seed: int) -> None:
         self.shared = torch.Generator().manual_seed(seed)
-        self._own: dict[str, torch.Generator] = {}
 
-    def draw(self, q: torch.Tensor, request: ProposalRequest) -> int:
+    def draw(self, q: torch.Tensor, request: ProposalRequest, position: int) -> int:
         seed = request.params.seed
-        generator = self.shared
-        if seed is not None:
-            generator = self._own.get(request.request_id)
-            if generator is None:
-                generator = torch.Generator().manual_seed(
-                    seed + request.sample_index + self.SEED_OFFSET)
-                self._own[request.request_id] = generator
-        return int(torch.multinomial(q.cpu(), 1, generator=generator))
-
-    def release(self, request_id: str) -> None:
-        self._own.pop(request_id, None)
+        if seed is None:
+            return int(torch.multinomial(q.cpu(), 1, generator=self.shared))
+        return sorted_inverse_cdf(q, position_uniform(seed, request.sample_index, position))

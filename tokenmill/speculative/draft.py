@@ -69,7 +69,6 @@ class DraftModelProposer(Proposer):
         shadow = self.shadows.pop(request_id, None)
         if shadow is not None:
             self.kv_manager.free(shadow)
-        self.sampler.release(request_id)
 
     def check_integrity(self, idle: bool = False) -> None:
         self.kv_manager.check_integrity()
@@ -173,7 +172,9 @@ class DraftModelProposer(Proposer):
         probs = processed_probs(logits, params)
         for row, (shadow, p) in enumerate(zip(shadows, params, strict=True)):
             if p.temperature > 0:
-                tokens[row] = self.sampler.draw(probs[row], shadow.request)
+                # The drafted token's position in the request's sequence.
+                position = len(shadow.request.token_ids) + len(shadow.drafted)
+                tokens[row] = self.sampler.draw(probs[row], shadow.request, position)
         return tokens, probs
 
 

@@ -108,15 +108,15 @@ class Worker:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         with self.products.step_context():
-            if self.proposer is not None:
-                for request_id in step.preempted_request_ids:
+            for request_id in step.preempted_request_ids:
+                self._draft_probs.pop(request_id, None)
+                if self.proposer is not None:
                     self.proposer.release(request_id)
             batch = self.runner.prepare(step.requests)
             self._mark("prepare_inputs")
             hidden = self.runner.forward(batch)
             self._mark("forward")
             output = self.sampler.run(step.requests, batch, hidden, self._draft_probs)
-            self._draft_probs = {}
             if step.keep_hidden_states and self.proposer is not None:
                 self._observe(step, batch.order, batch.query_start, hidden, output)
             self._mark("sample")
@@ -143,9 +143,8 @@ class Worker:
         return [p.token_ids for p in proposals]
 
     def release(self, request_ids: list[str]) -> None:
-        """These requests finished: drop their sampling streams and proposer state."""
+        """These requests finished: drop their proposer state and pending drafts."""
         for request_id in request_ids:
-            self.sampler.release(request_id)
             self._draft_probs.pop(request_id, None)
             if self.proposer is not None:
                 self.proposer.release(request_id)
@@ -155,7 +154,7 @@ class Worker:
         if self.proposer is not None:
             self.proposer.check_integrity(idle)
         if idle:
-            assert not self.sampler.has_request_state, "sampling streams of finished requests"
+            assert not self._draft_probs, "draft distributions of finished requests"
 
     @property
     def needs_hidden_states(self) -> bool:

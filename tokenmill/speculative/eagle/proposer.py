@@ -142,7 +142,6 @@ class EagleProposer(Proposer):
         sequence = self._sequences.pop(request_id, None)
         if sequence is not None:
             self.kv_manager.free(sequence)
-        self.sampler.release(request_id)
 
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest]) -> list[Proposal]:
@@ -274,7 +273,9 @@ class EagleProposer(Proposer):
             q = processed_probs(logits[sampled_rows], params)
             for row, q_row in zip(sampled_rows, q, strict=True):
                 drafts[row].probs.append(q_row)
-                chosen[row] = self.sampler.draw(q_row, drafts[row].request)
+                draft = drafts[row]
+                position = len(draft.request.token_ids) + len(draft.token_ids)
+                chosen[row] = self.sampler.draw(q_row, draft.request, position)
         for draft, token in zip(drafts, chosen, strict=True):
             draft.token_ids.append(token)
 
