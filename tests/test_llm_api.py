@@ -102,6 +102,9 @@ def test_logprobs_and_prompt_logprobs_shapes(llm):
     (dict(presence_penalty=3), "presence_penalty"), (dict(logprobs=50), "logprobs"),
     (dict(repetition_penalty=0), "repetition_penalty"), (dict(stop=[""]), "stop"),
     (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(seed=-1), "seed"),
+    (dict(top_k=2**63), "top_k"), (dict(stop_token_ids=[2**70]), "stop_token_ids"),
+    (dict(logit_bias={3: 101}), "logit_bias"), (dict(logit_bias={-1: 1}), "logit_bias"),
+    (dict(temperature=float("nan")), "temperature"),
 ])
 def test_out_of_range_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=rf"^{field} must be"):
@@ -132,8 +135,37 @@ def test_bad_prompts_raise_before_anything_is_queued(llm):
         llm.generate([[]], SamplingParams())
     with pytest.raises(ValueError, match="prompt token ids"):
         llm.generate([[10**6]], SamplingParams())
+    # Malformed prompt shapes name the argument (they were TypeErrors, or silently []).
+    for bad in (None, [], [1, 1.5], [[1, 2], None], 42):
+        with pytest.raises(ValueError, match=r"^prompts"):
+            llm.generate(bad, SamplingParams())
+    with pytest.raises(ValueError, match="lone surrogate"):
+        llm.generate("abc \ud800", SamplingParams())
+    # As the server answers: the prompt and max_tokens must fit the context together.
+    with pytest.raises(ValueError, match="^max_tokens"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=10**9))
+    with pytest.raises(ValueError, match="^min_tokens"):
+        llm.generate([[1, 2]], SamplingParams(max_tokens=None, min_tokens=10**9))
+    with pytest.raises(ValueError, match="^stop_token_ids"):
+        llm.generate([[1, 2]], SamplingParams(stop_token_ids=[10**6]))
     assert not engine.has_unfinished_requests()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
+
+
+def test_temperatures_below_the_floor_are_greedy(llm):
+    greedy = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=8))
+    tiny = llm.generate([[5, 6, 7]], SamplingParams(temperature=1e-40, max_tokens=8))
+    assert tiny[0].outputs[0].token_ids == greedy[0].outputs[0].token_ids
+    assert SamplingParams(temperature=1e-6).temperature == 0.0
+
+
+def test_logit_bias_bans_and_forces_tokens(llm):
+    prompt, params = [[5, 6, 7]], dict(temperature=0, max_tokens=6, ignore_eos=True)
+    plain = llm.generate(prompt, SamplingParams(**params))[0].outputs[0].token_ids
+    banned = llm.generate(prompt, SamplingParams(**params, logit_bias={plain[0]: -100}))
+    assert banned[0].outputs[0].token_ids[0] != plain[0]
+    forced = llm.generate(prompt, SamplingParams(**params, logit_bias={9: 100}))
+    assert forced[0].outputs[0].token_ids == [9] * 6
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path, llama_dir):

@@ -72,9 +72,22 @@ class LLM:
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """The prompts as a list: a string, a list of token ids, or a list of either.
+    ValueError (naming `prompts`) for anything else."""
     if isinstance(prompts, str):
         return [prompts]
-    prompts = list(prompts)
-    if prompts and all(isinstance(t, int) for t in prompts):
-        return [prompts]
-    return prompts
+    if not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty string, a list of token ids, or a "
+                         f"non-empty list of those; got {prompts!r:.80}")
+    if all(_is_token_id(t) for t in prompts):
+        return [list(prompts)]
+    for index, prompt in enumerate(prompts):
+        if not isinstance(prompt, str) and not (
+                isinstance(prompt, Sequence) and all(_is_token_id(t) for t in prompt)):
+            raise ValueError(f"prompts[{index}] must be a string or a list of token ids "
+                             f"(integers), got {prompt!r:.80}")
+    return list(prompts)
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -58,6 +58,32 @@ CASES = [
     ("detokenize-bad-token", "/detokenize", json.dumps({"tokens": [-1]}).encode(), 400,
      "tokens"),
     ("tokenize-nothing", "/tokenize", b"{}", 400, "prompt"),
+    # The hardening issue's list: each was a 500, an accepted absurd value or a wrong param.
+    ("lone-surrogate", CMPL, body(prompt="abc \ud800"), 400, "prompt"),
+    ("lone-surrogate-in-list", CMPL, body(prompt=["ok", "abc \udfff"]), 400, "prompt"),
+    ("lone-surrogate-in-chat", CHAT, body(messages=[{"role": "user", "content": "\ud800"}]),
+     400, "messages"),
+    ("lone-surrogate-tokenize", "/tokenize", json.dumps({"prompt": "\ud800"}).encode(), 400,
+     "prompt"),
+    ("top-k-past-int64", CMPL, body(prompt="x", top_k=2**63), 400, "top_k"),
+    ("stop-token-id-huge", CMPL, body(prompt="x", stop_token_ids=[2**70]), 400,
+     "stop_token_ids"),
+    ("stop-token-id-out-of-vocab", CMPL, body(prompt="x", stop_token_ids=[10**6]), 400,
+     "stop_token_ids"),
+    ("min-tokens-huge", CMPL, body(prompt="x", max_tokens=None, min_tokens=2**70), 400,
+     "min_tokens"),
+    ("logit-bias-not-a-token", CMPL, body(prompt="x", logit_bias={"abc": 1}), 400,
+     "logit_bias"),
+    ("logit-bias-out-of-vocab", CMPL, body(prompt="x", logit_bias={"1000000": 1}), 400,
+     "logit_bias"),
+    ("logit-bias-out-of-range", CMPL, body(prompt="x", logit_bias={"5": 1000}), 400,
+     "logit_bias"),
+    ("best-of-below-n", CMPL, body(prompt="x", n=2, best_of=1), 400, "best_of"),
+    ("best-of-above-n", CMPL, body(prompt="x", n=1, best_of=3), 400, "best_of"),
+    ("top-logprobs-too-many", CHAT, chat(logprobs=True, top_logprobs=99), 400, "top_logprobs"),
+    ("max-completion-tokens-negative", CHAT, chat(max_completion_tokens=-2), 400,
+     "max_completion_tokens"),
+    ("prompt-of-the-wrong-type", CMPL, body(prompt=[1.5, 2]), 400, "prompt"),
 ]
 
 
@@ -139,3 +165,37 @@ def test_model_without_chat_template_is_400(tmp_path, llama_dir):
     response = asyncio.run(run())
     assert_error_shape(response, 400, "messages")
     assert "chat template" in response.json()["error"]["message"]
+
+
+def test_valid_json_sent_as_text_plain_gets_a_message_that_says_so(server):
+    response = httpx.post(server.url + CMPL, content=body(prompt="x"),
+                          headers={"Content-Type": "text/plain", **server.auth_headers},
+                          timeout=30)
+    assert_error_shape(response, 400)
+    assert "application/json" in response.json()["error"]["message"]
+
+
+def complete(server, **fields) -> httpx.Response:
+    return httpx.post(server.url + CMPL, headers={**JSON, **server.auth_headers}, timeout=30,
+                      content=body(prompt="def add(a, b):", max_tokens=6, **fields))
+
+
+def test_logit_bias_forces_a_token(server):
+    response = complete(server, temperature=0, logit_bias={"7": 100})
+    assert response.status_code == 200, response.text
+    forced = httpx.post(server.url + "/detokenize", json={"tokens": [7] * 6},
+                        headers=server.auth_headers, timeout=30).json()["prompt"]
+    assert response.json()["choices"][0]["text"] == forced
+
+
+def test_a_tiny_temperature_is_greedy_not_garbage(server):
+    greedy = complete(server, temperature=0).json()["choices"][0]["text"]
+    assert complete(server, temperature=1e-40).json()["choices"][0]["text"] == greedy
+
+
+def test_one_request_with_more_completions_than_capacity_is_refused(server_factory):
+    server = server_factory("--max-num-seqs", "4", "--max-queue", "4")
+    response = httpx.post(server.url + CMPL, content=body(prompt="x", n=20, max_tokens=2),
+                          headers={**JSON, **server.auth_headers}, timeout=30)
+    assert_error_shape(response, 400, "n")
+    assert "8" in response.json()["error"]["message"]

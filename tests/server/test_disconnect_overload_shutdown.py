@@ -10,7 +10,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from tests.server.conftest import MODEL_NAME, metric_value, wait_for_metric
 
@@ -104,27 +103,65 @@ def _stream_in_thread(server, payload: dict, sink: list, first_chunk: threading.
         first_chunk.set()
 
 
-@pytest.mark.parametrize("grace,max_tokens", [(5, 150), (1, 480)],
-                         ids=["in-flight-finishes", "grace-expires"])
-def test_sigterm_exits_zero_within_the_grace_period(server_factory, grace, max_tokens):
-    server = server_factory("--shutdown-grace", str(grace))
+def test_sigterm_drains_with_503s_and_lets_in_flight_requests_finish(server_factory):
+    server = server_factory("--shutdown-grace", "20")
     sink: list = []
     first_chunk = threading.Event()
-    payload = {**LONG, "max_tokens": max_tokens, "stream": True}
+    payload = {**LONG, "stream": True}
     thread = threading.Thread(target=_stream_in_thread,
                               args=(server, payload, sink, first_chunk))
     thread.start()
     assert first_chunk.wait(30)
     started = time.monotonic()
     server.process.send_signal(signal.SIGTERM)
-    returncode = server.process.wait(timeout=grace + 20)
+    # While draining the server still answers: 503 with Retry-After, not a refused
+    # connection (unless the drain is already over: the stream was short).
+    late = httpx.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 4},
+                      headers=server.auth_headers, timeout=10)
+    health = httpx.get(server.url + "/health", timeout=10)
+    returncode = server.process.wait(timeout=30)
     elapsed = time.monotonic() - started
     thread.join(30)
     assert returncode == 0, server.log()
-    assert elapsed < grace + 10
-    if grace >= 5:
-        # Finished normally: every chunk arrived, then [DONE].
-        assert sink[-1] == "[DONE]"
-        finals = [json.loads(s)["choices"][0]["finish_reason"] for s in sink[:-1]
-                  if json.loads(s)["choices"]]
-        assert finals[-1] == "length"
+    assert late.status_code == 503 and int(late.headers["Retry-After"]) >= 1
+    assert late.json()["error"]["type"] == "service_unavailable_error"
+    assert health.status_code == 503
+    # The in-flight stream finished normally, then the server left at once.
+    assert sink[-1] == "[DONE]"
+    finals = [json.loads(s)["choices"][0]["finish_reason"] for s in sink[:-1]
+              if json.loads(s)["choices"]]
+    assert finals[-1] == "length"
+    assert elapsed < 10
+
+
+def test_past_the_grace_period_requests_end_with_an_error_they_see(server_factory):
+    server = server_factory("--shutdown-grace", "0.5", "--num-threads", "1")
+    sink: list = []
+    first_chunk = threading.Event()
+    payload = {**LONG, "n": 8, "stream": True}  # 8 x 480 tokens: longer than the grace
+    thread = threading.Thread(target=_stream_in_thread,
+                              args=(server, payload, sink, first_chunk))
+    thread.start()
+    assert first_chunk.wait(30)
+    unstreamed: list = []
+
+    def post() -> None:
+        unstreamed.append(httpx.post(server.url + "/v1/completions", json={**LONG, "n": 8},
+                                     headers=server.auth_headers, timeout=30))
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    assert wait_for_metric(server, RUNNING, lambda v: v >= 16) >= 16
+    started = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    returncode = server.process.wait(timeout=30)
+    elapsed = time.monotonic() - started
+    thread.join(30)
+    poster.join(30)
+    assert returncode == 0, server.log()
+    assert elapsed < 0.5 + 1.5  # the grace, and about a second to close
+    assert sink[-1] == "[DONE]"
+    error = json.loads(sink[-2])["error"]
+    assert error["code"] == "unavailable" and "shut down" in error["message"]
+    assert unstreamed[0].status_code == 503
+    assert "shut down" in unstreamed[0].json()["error"]["message"]

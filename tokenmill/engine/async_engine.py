@@ -192,8 +192,11 @@ class AsyncLLMEngine:
         """
         if not self.accepting or self.dead_error is not None:
             raise EngineStoppedError("the server is shutting down")
+        if params.n > self.capacity:
+            raise ValueError(f"n ({params.n}) is more sequences than this server admits at once "
+                             f"({self.capacity}: max_num_seqs + max_queue)")
         with self._lock:
-            if self._in_flight and self._in_flight + params.n > self.capacity:
+            if self._in_flight + params.n > self.capacity:
                 raise QueueFullError(
                     f"the server is at capacity ({self.capacity} sequences in flight); "
                     "retry later")
@@ -260,8 +263,13 @@ class AsyncLLMEngine:
             elif isinstance(command, _Abort):
                 self._abort(command.request_id)
             else:
+                # Shutting down past the grace period: every request still in flight
+                # ends with an error its client sees (a 503, or a stream's error event).
+                error = EngineStoppedError("the server shut down before this request "
+                                           "finished")
                 for request_id in list(self._streams):
-                    self._abort(request_id)
+                    self._num_aborted += 1
+                    self._fail(request_id, error)
                 return False
 
     def _add(self, command: _Add) -> None:

@@ -29,12 +29,15 @@ class InputProcessor:
         self._lock = threading.Lock()
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
+        check_text(prompt, "prompt")
         with self._lock:
             return self.tokenizer(prompt, add_special_tokens=add_special_tokens)["input_ids"]
 
     def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True
              ) -> list[int]:
         """A conversation through the model's chat template (ValueError if impossible)."""
+        for message in messages:
+            check_text(message.get("content") or "", "messages")
         with self._lock:
             return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
 
@@ -53,7 +56,13 @@ class InputProcessor:
             raise ValueError(f"prompt is {len(token_ids)} tokens; it must be shorter than the "
                              f"model's context of {self.max_model_len} tokens")
         room = self.max_model_len - len(token_ids)
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.max_tokens is not None and params.max_tokens > room:
+            # As the OpenAI server answers (400): the prompt and the tokens asked for
+            # must fit the context together.
+            raise ValueError(f"max_tokens: the prompt ({len(token_ids)} tokens) and max_tokens "
+                             f"({params.max_tokens}) exceed the model's context of "
+                             f"{self.max_model_len} tokens")
+        max_tokens = room if params.max_tokens is None else params.max_tokens
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) must be at most the tokens "
                              f"the context leaves for this prompt ({max_tokens})")
@@ -75,3 +84,15 @@ class InputProcessor:
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(token_ids, params)
         return token_ids
+
+
+def check_text(text: str, field: str) -> None:
+    """ValueError naming `field` unless `text` is a string of valid Unicode (a lone
+    surrogate such as JSON's "\\ud800" has no UTF-8 encoding and no tokens)."""
+    if not isinstance(text, str):
+        raise ValueError(f"{field} must be a string or token ids, got {type(text).__name__}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{field} contains {text[exc.start:exc.end]!r} at character "
+                         f"{exc.start}, a lone surrogate, which is not valid Unicode text") from None

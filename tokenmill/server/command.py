@@ -44,7 +44,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help=f"require this bearer key (default: ${API_KEY_ENV} if set)")
     parser.add_argument("--served-model-name", default=None,
-                        help="model name clients must send (default: the --model value)")
+                        help="model name clients must send (default: the model directory's name)")
     parser.add_argument("--max-queue", type=int, default=64,
                         help="sequences that may wait beyond max_num_seqs before 429")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)

@@ -15,13 +15,22 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tokenmill.engine.async_engine import EngineStoppedError, QueueFullError, RequestFailedError
-from tokenmill.server.protocol import ErrorInfo, ErrorResponse
+from tokenmill.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    TokenizeRequest,
+)
 
 logger = logging.getLogger(__name__)
 
 _TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
           503: "service_unavailable_error"}
+# Every request field a client may send: what a ValueError's leading word may name.
+REQUEST_FIELDS = (frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields)
+                  | frozenset(TokenizeRequest.model_fields))
 _FIELD_AT_START = re.compile(r"^([a-z_]+)\b:?")
 
 
@@ -79,8 +88,13 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"request body is not valid JSON: {first.get('msg', '')}", None
+    if first.get("type") == "model_attributes_type" and tuple(first.get("loc", ())) == ("body",):
+        return ("the request body must be a JSON object sent with Content-Type: "
+                "application/json", None)
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
+    # The request field the client sent (a union's member names, list indices and
+    # nested keys after it are pydantic's path, not OpenAI's param).
+    param = loc[0] if loc else None
     parts = [f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
              f"{e.get('msg', 'invalid')}" for e in errors[:5]]
     return "; ".join(parts), param
@@ -106,4 +120,4 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        return from_exception(exc).response()
+        return from_exception(exc, REQUEST_FIELDS).response()

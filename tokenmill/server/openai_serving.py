@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from tokenmill.engine.async_engine import AsyncLLMEngine, RequestStream
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.server.errors import APIError, error_body, from_exception
+from tokenmill.server.errors import REQUEST_FIELDS, APIError, error_body, from_exception
 from tokenmill.server.metrics import ServerMetrics
 from tokenmill.server.protocol import (
     ChatCompletionRequest,
@@ -36,8 +36,6 @@ from tokenmill.server.protocol import (
 )
 from tokenmill.server.shaping import ChatShaper, CompletionShaper, PromptInput, Shaper
 
-_PARAM_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(
-    ChatCompletionRequest.model_fields)
 _DISCONNECT_POLL_S = 0.25
 # Threads that tokenize and validate prompts (tokenization itself is serialised by the
 # tokenizer's lock; a second thread keeps validation and decoding moving meanwhile).
@@ -81,7 +79,10 @@ class OpenAIServing:
 
     def _sampling_params(self, req: CompletionRequest | ChatCompletionRequest,
                          max_tokens: int | None, logprobs: int | None,
-                         prompt_logprobs: int | None = None) -> SamplingParams:
+                         prompt_logprobs: int | None = None,
+                         renamed: dict[str, str] | None = None) -> SamplingParams:
+        """SamplingParams from the request's fields; `renamed` maps a SamplingParams
+        field to the request field it came from (so an error names what was sent)."""
         def pick(value, default):
             return default if value is None else value
 
@@ -96,9 +97,12 @@ class OpenAIServing:
                 stop=req.stop, stop_token_ids=req.stop_token_ids or [],
                 ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
-                include_stop_str_in_output=req.include_stop_str_in_output)
+                include_stop_str_in_output=req.include_stop_str_in_output,
+                logit_bias=_logit_bias(req.logit_bias))
         except ValueError as exc:
-            raise from_exception(exc, _PARAM_FIELDS) from exc
+            error = from_exception(exc, REQUEST_FIELDS | frozenset(renamed or ()))
+            error.param = (renamed or {}).get(error.param, error.param)
+            raise error from exc
 
     async def _check_prompt(self, prompt: PromptInput, params: SamplingParams,
                             requested_max_tokens: int | None) -> None:
@@ -116,20 +120,21 @@ class OpenAIServing:
         try:
             await self.off_loop(self.inputs.validate, prompt.token_ids, params)
         except ValueError as exc:
-            error = from_exception(exc, _PARAM_FIELDS)
+            error = from_exception(exc, REQUEST_FIELDS)
             if error.param is None:
                 error.param = "prompt"
             raise error from exc
 
     async def _completion_prompts(self, prompt: str | list) -> list[PromptInput]:
-        if isinstance(prompt, str):
-            return [PromptInput(prompt, await self.off_loop(self.inputs.encode, prompt))]
         if not prompt:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        if all(isinstance(p, int) for p in prompt):
-            return [PromptInput(None, list(prompt))]
-        return [PromptInput(p, await self.off_loop(self.inputs.encode, p)) if isinstance(p, str)
-                else PromptInput(None, list(p)) for p in prompt]
+        if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+            prompt = [prompt]
+        try:
+            return [PromptInput(p, await self.off_loop(self.inputs.encode, p))
+                    if isinstance(p, str) else PromptInput(None, list(p)) for p in prompt]
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="prompt") from exc
 
     def _add_all(self, request_id: str, prompts: list[PromptInput], params: SamplingParams
                  ) -> list[RequestStream]:
@@ -141,7 +146,7 @@ class OpenAIServing:
         except Exception as exc:
             for stream in streams:
                 stream.cancel()
-            raise from_exception(exc) from exc
+            raise from_exception(exc, REQUEST_FIELDS) from exc
         return streams
 
     def token_text(self, token_id: int) -> str:
@@ -154,6 +159,10 @@ class OpenAIServing:
     # ---- completions ------------------------------------------------------------------
     async def create_completion(self, req: CompletionRequest, raw: Request) -> Response:
         self.check_model(req.model)
+        if req.best_of is not None and req.best_of != req.n:
+            raise APIError(400, f"best_of ({req.best_of}) must equal n ({req.n}): generating "
+                           "more completions than are returned is not supported",
+                           param="best_of")
         if req.max_tokens == 0 and not req.echo:
             raise APIError(400, "max_tokens must be >= 1 (0 is allowed only with echo)",
                            param="max_tokens")
@@ -186,10 +195,12 @@ class OpenAIServing:
             raise APIError(400, "messages must not be empty", param="messages")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None \
-            else req.max_tokens
+        renamed = {"logprobs": "top_logprobs"}
+        max_tokens = req.max_tokens
+        if req.max_completion_tokens is not None:
+            max_tokens, renamed["max_tokens"] = req.max_completion_tokens, "max_completion_tokens"
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, max_tokens, logprobs)
+        params = self._sampling_params(req, max_tokens, logprobs, renamed=renamed)
         prompt = PromptInput(None, await self.chat_prompt(req.messages,
                                                           req.add_generation_prompt))
         await self._check_prompt(prompt, params, max_tokens)
@@ -237,7 +248,7 @@ class OpenAIServing:
             try:
                 return gathered.result()
             except Exception as exc:
-                raise from_exception(exc, _PARAM_FIELDS) from exc
+                raise from_exception(exc, REQUEST_FIELDS) from exc
         finally:
             watcher.cancel()
             for task in tasks:
@@ -264,7 +275,7 @@ class OpenAIServing:
             if include_usage:
                 yield _event(shaper.usage_chunk(request_id, finals))
         except Exception as exc:
-            error = from_exception(exc, _PARAM_FIELDS)
+            error = from_exception(exc, REQUEST_FIELDS)
             yield f"data: {json.dumps(error_body(error.status, error.message, error.param, error.code))}\n\n"
         finally:
             for stream in streams:
@@ -321,3 +332,14 @@ def _sse(events: AsyncIterator[str]) -> StreamingResponse:
 def _json(model: BaseModel) -> Response:
     return Response(model.model_dump_json(), media_type="application/json")
 
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends logit_bias keyed by token ids written as strings."""
+    if bias is None:
+        return None
+    try:
+        return {int(token): value for token, value in bias.items()}
+    except ValueError:
+        raise ValueError("logit_bias must be keyed by token ids (integers as strings), got "
+                         f"{sorted(bias)[:4]}") from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
 from fastapi import APIRouter
@@ -46,7 +47,8 @@ def add_profile_routes(router: APIRouter, async_engine: AsyncLLMEngine) -> None:
         if tracer is None:
             raise APIError(400, "no profile is running; POST /start_profile first")
         tracer.detach(async_engine.engine)
-        path = tracer.write(profile_dir() / f"trace-{time.strftime('%Y%m%d-%H%M%S')}-"
-                                            f"{os.getpid()}.json")
+        # Unique even for two profiles stopped in the same second.
+        name = f"trace-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        path = tracer.write(profile_dir() / f"{name}.json")
         return {"status": "stopped", "trace_path": str(path),
                 "summary": summarize_steps(tracer.steps).to_json()}

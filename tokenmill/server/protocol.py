@@ -43,6 +43,8 @@ class _SamplingFields(_Request):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI's logit_bias: token id (as a string key) -> bias in [-100, 100].
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -51,6 +53,9 @@ class CompletionRequest(_SamplingFields):
     # Legacy logprobs: the number of top alternatives per token.
     logprobs: int | None = None
     echo: bool = False
+    # Accepted when equal to n (OpenAI's default); generating more than n and
+    # returning the best is not supported.
+    best_of: int | None = None
 
 
 class ChatContentPart(_Request):

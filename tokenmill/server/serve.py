@@ -1,7 +1,10 @@
 """run_server: load the engine, serve the app with uvicorn, shut down gracefully.
 
-SIGTERM or SIGINT stops accepting connections, lets in-flight requests finish for
-the grace period, aborts the rest, and returns normally (exit status 0).
+SIGTERM or SIGINT starts a drain: the server keeps listening, but new requests get
+503 with Retry-After (and /health 503) while in-flight requests get the grace period
+to finish; those still running then end with an error their clients see (a JSON 503,
+or a stream's error event and [DONE]), and the process exits with status 0, within
+about a second of the grace period. A second signal exits at once.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import asyncio
 import logging
 import os
 import signal
+from pathlib import Path
 
 import uvicorn
 
@@ -21,6 +25,41 @@ from tokenmill.server.app import DEFAULT_MAX_BODY_BYTES, build_app
 logger = logging.getLogger("tokenmill.server")
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
+# After the drain: how long connections get to send their last bytes.
+CLOSE_TIMEOUT_S = 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, with a drain before it closes its socket (see the module
+    docstring); uvicorn's own shutdown then only closes finished connections."""
+
+    def __init__(self, config: uvicorn.Config, async_engine: AsyncLLMEngine,
+                 grace_s: float) -> None:
+        super().__init__(config)
+        self.async_engine = async_engine
+        self.grace_s = grace_s
+        self._drain_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_task is not None or self._loop is None:
+            self.should_exit = True  # a second signal: stop now
+            return
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        logger.info("draining: %d sequences in flight, %.0f s grace",
+                    self.async_engine.num_in_flight, self.grace_s)
+        await self.async_engine.shutdown(self.grace_s)
+        self.should_exit = True
 
 
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
@@ -31,15 +70,15 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = resolve_api_key(api_key)
-    name = served_model_name or config.model.model
+    # The model directory's name (what a client would call the model), not its path.
+    name = served_model_name or Path(config.model.model).name
     engine = LLMEngine(config, progress=False)
     async_engine = AsyncLLMEngine(engine, max_queue=max_queue)
     app = build_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes,
                     shutdown_grace_s=shutdown_grace_s)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=max(1, round(shutdown_grace_s)),
-                               lifespan="on")
-    server = uvicorn.Server(uv_config)
+                               timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
+    server = DrainingServer(uv_config, async_engine, shutdown_grace_s)
     # uvicorn re-raises the signal that stopped it once it has shut down; these
     # handlers absorb that, so a graceful stop exits with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
