@@ -193,3 +193,16 @@ def test_abort_returns_blocks(llm):
     engine.check_integrity()
     assert engine.kv_manager.num_free_blocks == engine.kv_manager.num_blocks
     assert not engine.has_unfinished_requests()
+
+
+def test_the_server_names_the_model_by_its_directory_and_python_m_tokenmill_runs():
+    import subprocess
+    import sys
+
+    from tokenmill.server.serve import served_model_id
+
+    assert served_model_id(EngineConfig()) == "pycoder"
+    assert served_model_id(EngineConfig(), "mine") == "mine"
+    done = subprocess.run([sys.executable, "-m", "tokenmill", "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0 and "generate" in done.stdout

@@ -22,8 +22,12 @@ def test_start_stop_profile_writes_a_trace_of_served_steps(llama_dir, tmp_path, 
             "temperature": 0, "ignore_eos": True})
         assert reply.status_code == 200
         stopped = httpx.post(server.url + "/stop_profile", timeout=30).json()
+        # Two profiles stopped within the same second get their own files.
+        httpx.post(server.url + "/start_profile")
+        again = httpx.post(server.url + "/stop_profile", timeout=30).json()
     finally:
         server.stop()
+    assert again["trace_path"] != stopped["trace_path"]
     assert stopped["summary"]["num_steps"] >= 5
     assert sum(stopped["summary"]["shares_percent"].values()) == pytest.approx(100)
     events = json.loads(open(stopped["trace_path"]).read())["traceEvents"]

@@ -70,8 +70,7 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = resolve_api_key(api_key)
-    # The model directory's name (what a client would call the model), not its path.
-    name = served_model_name or Path(config.model.model).name
+    name = served_model_id(config, served_model_name)
     engine = LLMEngine(config, progress=False)
     async_engine = AsyncLLMEngine(engine, max_queue=max_queue)
     app = build_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes,
@@ -85,6 +84,12 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
         signal.signal(sig, lambda signum, frame: None)
     asyncio.run(_serve(server, name, host, port, api_key is not None))
     logger.info("tokenmill server stopped")
+
+
+def served_model_id(config: EngineConfig, served_model_name: str | None = None) -> str:
+    """The id clients send as `model`: the given name, else the model directory's name
+    (`pycoder`, not the directory's absolute path)."""
+    return served_model_name or Path(config.model.model).name
 
 
 def resolve_api_key(api_key: str | None) -> str | None:
