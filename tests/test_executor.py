@@ -62,7 +62,7 @@ def test_a_dead_worker_fails_the_step_with_a_clear_error(llama_dir):
     engine = LLMEngine.from_kwargs(str(llama_dir), progress=False, executor="multiprocess")
     engine.add_request("a", PROMPTS[0], GREEDY)
     engine.step()
-    engine.executor._process.kill()
+    engine.executor._processes[0].kill()
     started = time.monotonic()
     with pytest.raises(WorkerDiedError, match="exited"):
         engine.step()

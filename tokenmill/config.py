@@ -16,7 +16,8 @@ CHUNK_POLICIES = ("fixed", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-EXECUTORS = ("in-process", "multiprocess")
+EXECUTORS = ("auto", "in-process", "multiprocess")
+ALL_REDUCE = ("backend", "ring", "tree", "rhd")
 
 # The embedded default model, committed with the project.
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pycoder"
@@ -208,12 +209,29 @@ class AttentionConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     """Where the model runs: in the engine's process, or in worker processes that
-    receive each step as plain data."""
+    receive each step as plain data; how many ranks share it and how they sum."""
 
-    executor: Literal["in-process", "multiprocess"] = "in-process"
+    # auto: in-process for one rank, worker processes for several.
+    executor: Literal["auto", "in-process", "multiprocess"] = "auto"
+    # Ranks the model's layers are split over (Megatron tensor parallelism), one worker
+    # process each (gloo on the CPU, NCCL on CUDA).
+    tensor_parallel_size: int = 1
+    # Who sums the row-parallel partial products: torch.distributed's own all-reduce,
+    # or tokenmill's ring, tree or recursive halving-doubling (tokenmill/dist).
+    all_reduce: Literal["backend", "ring", "tree", "rhd"] = "backend"
 
     def __post_init__(self) -> None:
         _require(self.executor in EXECUTORS, "executor", f"one of {EXECUTORS}", self.executor)
+        _require(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size
+                 <= 64, "tensor_parallel_size", "an integer in [1, 64]", self.tensor_parallel_size)
+        _require(self.all_reduce in ALL_REDUCE, "all_reduce", f"one of {ALL_REDUCE}",
+                 self.all_reduce)
+        _require(self.executor != "in-process" or self.tensor_parallel_size == 1, "executor",
+                 "'multiprocess' or 'auto' when tensor_parallel_size > 1", self.executor)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
 
 
 @dataclass(frozen=True)

@@ -14,4 +14,7 @@ EXECUTORS: dict[str, type[Executor]] = {
 
 
 def create_executor(config: EngineConfig, progress: bool = True) -> Executor:
-    return EXECUTORS[config.parallel.executor](config, progress)
+    name = config.parallel.executor
+    if name == "auto":
+        name = "in-process" if config.parallel.world_size == 1 else "multiprocess"
+    return EXECUTORS[name](config, progress)

@@ -19,11 +19,23 @@ from tokenmill.layers.linear_method import PLAIN, LinearMethod
 LinearSelector = Callable[[str, "Linear"], LinearMethod]
 
 
+# How tensor parallelism splits a layer (dist/tensor_parallel.py): "column" splits the
+# outputs, "row" the inputs (the partial products are summed by an all-reduce),
+# "row_partial" like row but the caller reduces, "vocab" splits the outputs of an LM
+# head over the vocabulary (they are gathered); None: every rank holds it whole.
+PARALLEL_STYLES = (None, "column", "row", "row_partial", "vocab")
+
+
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 parallel: str | None = None) -> None:
         super().__init__()
+        if parallel not in PARALLEL_STYLES:
+            raise ValueError(f"parallel must be one of {PARALLEL_STYLES}, got {parallel!r}")
         self.in_features = in_features
         self.out_features = out_features
+        # Sizes are this rank's share when the model is built for a tensor-parallel rank.
+        self.parallel = parallel
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         # Whether the plain weight is read for more than products (a tied LM head is
         # also the embedding table): methods that repack the weight keep it then.
@@ -47,11 +59,7 @@ class Linear(nn.Module):
         `rows` (all when None) of this layer."""
         rows = rows or slice(0, self.out_features)
         if name == "bias":
-            dest = self.bias[rows]
-            if dest.shape != tensor.shape:
-                raise ValueError(f"shape {tuple(tensor.shape)} does not fit {tuple(dest.shape)}")
-            with torch.no_grad():
-                dest.copy_(tensor)
+            self.method.load_bias(self, tensor, rows)
         else:
             self.method.load_weight(self, tensor, rows)
 

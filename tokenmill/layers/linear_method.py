@@ -33,6 +33,8 @@ class Linear(Protocol):
     bias: nn.Parameter | None
     # The plain weight is read for more than products (a tied LM head's embedding).
     keep_weight: bool
+    # How tensor parallelism splits it: None, "column", "row", "row_partial", "vocab".
+    parallel: str | None
 
 
 class LinearMethod(ABC):
@@ -45,6 +47,10 @@ class LinearMethod(ABC):
     def load_weight(self, layer: Linear, tensor: torch.Tensor, rows: slice) -> None:
         """Copy a checkpoint tensor [rows, in] into the layer's output rows `rows`."""
         _copy_checked(layer.weight[rows], tensor)
+
+    def load_bias(self, layer: Linear, tensor: torch.Tensor, rows: slice) -> None:
+        """Copy a checkpoint bias [rows] into the layer's output rows `rows`."""
+        _copy_checked(layer.bias[rows], tensor)
 
     def finalize(self, layer: Linear) -> None:
         """Called once every checkpoint tensor is loaded (the weights sit on their device)."""

@@ -9,14 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.linear import Linear
+from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 
 
 class Expert(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size)
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, parallel="column")
+        # Under tensor parallelism each expert's partial sums are reduced once, for the
+        # whole layer (SparseMoE.forward), not once per expert.
+        self.down_proj = Linear(intermediate_size, hidden_size, parallel="row_partial")
 
     def shard_slice(self, shard: str) -> slice:
         size = self.intermediate_size
@@ -39,6 +42,8 @@ class SparseMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts)
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size)
                                      for _ in range(num_experts))
+        # The tensor-parallel group (the experts' down projections are reduced here).
+        self.group: Collectives = SINGLE_RANK
         # Tokens routed to each expert since the last reset (expert-load statistics).
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64),
                              persistent=False)
@@ -60,4 +65,4 @@ class SparseMoE(nn.Module):
             tokens, slot = (experts == expert).nonzero(as_tuple=True)
             hidden = self.experts[expert](x[tokens])
             out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
-        return out
+        return self.group.all_reduce(out)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +78,26 @@ class ArchConfig:
             raw=cfg,
         )
 
+
+    def sharded(self, size: int) -> ArchConfig:
+        """One tensor-parallel rank's geometry: its heads, MLP columns and vocabulary
+        rows (KV heads fewer than ranks are replicated: one per rank). ValueError
+        naming tensor_parallel_size when the model does not split that way."""
+        if size == 1:
+            return self
+        kv_ok = self.num_kv_heads % size == 0 or size % self.num_kv_heads == 0
+        splits = {"attention heads": self.num_heads % size == 0, "KV heads": kv_ok,
+                  "MLP width": self.intermediate_size % size == 0,
+                  "vocabulary": self.vocab_size % size == 0}
+        bad = [name for name, ok in splits.items() if not ok]
+        if bad:
+            raise ValueError(f"tensor_parallel_size {size} does not divide the model's "
+                             f"{', '.join(bad)} ({self.num_heads} heads, {self.num_kv_heads} "
+                             f"KV heads, {self.intermediate_size} MLP, {self.vocab_size} vocab)")
+        return dataclasses.replace(
+            self, num_heads=self.num_heads // size,
+            num_kv_heads=max(self.num_kv_heads // size, 1),
+            intermediate_size=self.intermediate_size // size, vocab_size=self.vocab_size // size)
 
     @property
     def layer_parameters(self) -> int:

@@ -3,7 +3,10 @@
 Differences between the families are config switches: q/k/v biases (Qwen2), per-head
 q/k RMSNorm and explicit head_dim (Qwen3), rope scaling (Llama 3), tied embeddings.
 Q/K/V and gate/up projections are fused; checkpoint tensors are placed into the
-fused weights through `STACKED_PARAMS`.
+fused weights through `STACKED_PARAMS`. For tensor parallelism the model is built
+from one rank's geometry (ArchConfig.sharded) and each projection declares how it
+splits (Megatron's layout: QKV and gate/up by columns, o_proj and down_proj by rows,
+the LM head and embedding by vocabulary); the linear methods do the rest.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.attention.base import AttentionContext
+from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
@@ -39,8 +43,8 @@ class Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         qkv_out = self.q_size + 2 * self.kv_size
-        self.qkv_proj = Linear(arch.hidden_size, qkv_out, arch.qkv_bias)
-        self.o_proj = Linear(self.q_size, arch.hidden_size, arch.o_proj_bias)
+        self.qkv_proj = Linear(arch.hidden_size, qkv_out, arch.qkv_bias, parallel="column")
+        self.o_proj = Linear(self.q_size, arch.hidden_size, arch.o_proj_bias, parallel="row")
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.scale = self.head_dim ** -0.5
@@ -70,8 +74,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool) -> None:
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, parallel="column")
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, parallel="row")
 
     def shard_slice(self, shard: str) -> slice:
         size = self.intermediate_size
@@ -106,7 +110,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         # A tied embedding lives in the LM head (see LlamaForCausalLM.embed).
         self.embed_tokens = (None if arch.tie_word_embeddings
-                             else nn.Embedding(arch.vocab_size, arch.hidden_size))
+                             else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size))
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
         self.layers = nn.ModuleList(DecoderLayer(arch, build_mlp(), index)
                                     for index in range(arch.num_layers))
@@ -125,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"hidden_act {arch.hidden_act!r} is not supported (only 'silu')")
         self.arch = arch
         self.model = LlamaModel(arch, max_positions, lambda: self.build_mlp(arch))
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, parallel="vocab")
         # Tied: the LM head's weight is also the embedding table (see embed).
         self.lm_head.keep_weight = arch.tie_word_embeddings
 
@@ -178,7 +182,7 @@ class LlamaForCausalLM(nn.Module):
         try:
             module_name, param_name = self._split_owner(target)
             module = self.get_submodule(module_name)
-            if isinstance(module, Linear):
+            if hasattr(module, "load"):  # layers that place (and shard) their own tensors
                 module.load(param_name, tensor, rows)
             else:
                 getattr(module, param_name).data.copy_(tensor)

@@ -14,6 +14,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from tokenmill.layers.linear import LinearSelector, bind_linear_methods, finalize_linear_methods
+from tokenmill.layers.parallel import SINGLE_RANK, Collectives, bind_collectives
 from tokenmill.layers.products import ProductPolicy
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.registry import resolve_model_class
@@ -30,6 +31,13 @@ class LoadedModel:
     generation_config: dict[str, Any]
     device: torch.device
     dtype: torch.dtype
+    # This rank's geometry (arch itself without tensor parallelism): what the model
+    # was built from and its KV cache holds.
+    local_arch: ArchConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.local_arch is None:
+            self.local_arch = self.arch
 
 
 def resolve_device(device: str) -> torch.device:
@@ -86,11 +94,14 @@ def iterate_weights(files: list[Path], progress: bool = True) -> Iterator[tuple[
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, progress: bool = True,
-               select_linear: LinearSelector | None = None) -> LoadedModel:
+               select_linear: LinearSelector | None = None,
+               group: Collectives = SINGLE_RANK) -> LoadedModel:
     """Build the model for a checkpoint directory and load its weights.
 
     select_linear picks each Linear layer's method (layers/products.py); default:
-    torch's own products for the device.
+    torch's own products for the device. With a tensor-parallel group the model is
+    built from this rank's geometry and loads its shard (the methods select_linear
+    picks must split the layers: dist/tensor_parallel.py).
     """
     model_dir = Path(model_dir)
     arch = read_config(model_dir)
@@ -98,9 +109,11 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     positions = max_positions or arch.max_position_embeddings
+    local_arch = arch.sharded(group.size)
     with torch.device("meta"):
-        model = model_class(arch, positions)
+        model = model_class(local_arch, positions)
         bind_linear_methods(model, select_linear or ProductPolicy(torch_device).select)
+    bind_collectives(model, group)
     model = model.to_empty(device=torch_device).to(torch_dtype)
     # Rotary tables stay in float32 whatever the weights' dtype.
     model.model.rotary.float()
@@ -111,4 +124,5 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
     model.post_load()
     model.eval().requires_grad_(False)
     finalize_linear_methods(model)
-    return LoadedModel(model, arch, read_generation_config(model_dir), torch_device, torch_dtype)
+    return LoadedModel(model, arch, read_generation_config(model_dir), torch_device, torch_dtype,
+                       local_arch)

@@ -17,7 +17,10 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.step import ProposalRequest, StepInput, StepOutput
+from tokenmill.dist.context import GroupCollectives, Rendezvous, init_group
+from tokenmill.dist.tensor_parallel import tensor_parallel_selector
 from tokenmill.layers.linear import weight_bytes
+from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 from tokenmill.layers.products import product_policy
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import load_model, resolve_device, resolve_dtype
@@ -55,24 +58,32 @@ def resolve_max_model_len(config: EngineConfig, arch: ArchConfig) -> int:
 
 
 class Worker:
-    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+    def __init__(self, config: EngineConfig, progress: bool = True,
+                 rendezvous: Rendezvous | None = None) -> None:
+        """rendezvous: this worker's rank among the tensor-parallel ranks (None: the only
+        one, unless torchrun's environment says otherwise)."""
         mcfg = config.model
-        if mcfg.num_threads is not None:
-            torch.set_num_threads(mcfg.num_threads)
-        torch.manual_seed(mcfg.seed)
         device = resolve_device(mcfg.device)
+        self.group = self._join_group(config, device, rendezvous)
+        # Ranks share the machine's cores (torch's default: all of them, per process).
+        threads = mcfg.num_threads or max(1, torch.get_num_threads() // self.group.size)
+        torch.set_num_threads(threads)
+        torch.manual_seed(mcfg.seed)
         self.products = product_policy(mcfg.cpu_blas, device, resolve_dtype(mcfg.dtype, device))
-        self.products.configure_threads(mcfg.num_threads or torch.get_num_threads())
+        self.products.configure_threads(threads)
         loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
-                            progress=progress, select_linear=self.products.selector)
+                            progress=progress and self.group.rank == 0, group=self.group,
+                            select_linear=tensor_parallel_selector(self.products.selector,
+                                                                   self.group))
         self.arch, self.device, self.dtype = loaded.arch, loaded.device, loaded.dtype
         self.generation_config = loaded.generation_config
         self.max_model_len = resolve_max_model_len(config, loaded.arch)
         self.config = config = config.with_max_model_len(self.max_model_len)
         context = proposer_context(config, loaded.arch, loaded.device, loaded.dtype)
-        self.kv_plan: KVPlan = plan_kv_blocks(config, loaded.arch, loaded.dtype, loaded.device,
-                                              proposer_footprint(context))
-        self.runner = ModelRunner(loaded.model, loaded.arch, self.kv_plan.num_blocks,
+        # A rank's KV pool holds its own KV heads: its geometry sizes the blocks.
+        self.kv_plan: KVPlan = plan_kv_blocks(config, loaded.local_arch, loaded.dtype,
+                                              loaded.device, proposer_footprint(context))
+        self.runner = ModelRunner(loaded.model, loaded.local_arch, self.kv_plan.num_blocks,
                                   config.cache.block_size, loaded.device, loaded.dtype,
                                   config.cache.kv_cache_dtype,
                                   config.attention.attention_backend)
@@ -87,6 +98,20 @@ class Worker:
         # Optional step tracer (tokenmill.profile.StepTracer); None costs nothing.
         self.tracer = None
         self._log_start_up()
+
+    @staticmethod
+    def _join_group(config: EngineConfig, device: torch.device,
+                    rendezvous: Rendezvous | None) -> Collectives:
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        rendezvous = rendezvous or Rendezvous.from_environment(backend)
+        size = config.parallel.tensor_parallel_size
+        if rendezvous is None or size == 1:
+            return SINGLE_RANK
+        if rendezvous.world_size != size:
+            raise ValueError(f"tensor_parallel_size is {size} but the rendezvous has "
+                             f"{rendezvous.world_size} ranks")
+        init_group(rendezvous)
+        return GroupCollectives(rendezvous.rank, size, config.parallel.all_reduce)
 
     def _measure_memory(self) -> MemoryUsage:
         proposer = self.proposer.memory_bytes() if self.proposer is not None else (0, 0)

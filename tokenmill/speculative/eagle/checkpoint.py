@@ -78,13 +78,15 @@ def read_head_config(head_dir: str | Path, target_arch: ArchConfig) -> tuple[Arc
 
 
 def load_eagle_head(head_dir: str | Path, target_model: LlamaForCausalLM,
-                    select_linear: LinearSelector | None = None) -> EagleHead:
+                    select_linear: LinearSelector | None = None,
+                    target_arch: ArchConfig | None = None) -> EagleHead:
     """The head saved in head_dir, on the target's device and dtype, ready to draft;
     its Linear layers take the methods select_linear picks (default: torch's own).
 
     Raises ValueError when the head was built for a target of another geometry.
     """
-    arch, _ = read_head_config(head_dir, target_model.arch)
+    # The target's whole geometry (its model may be one tensor-parallel rank's shard).
+    arch, _ = read_head_config(head_dir, target_arch or target_model.arch)
     reference = next(target_model.parameters())
     rotary = target_model.model.rotary
     head = EagleHead(arch, rotary.max_positions)

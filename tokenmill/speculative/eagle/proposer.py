@@ -12,6 +12,7 @@ from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.step import ProposalRequest, ScheduledRequest
 from tokenmill.layers.linear import LinearSelector, weight_bytes
 from tokenmill.layers.rejection_sampler import processed_probs
+from tokenmill.model.arch import ArchConfig
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.speculative.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
@@ -103,11 +104,13 @@ class EagleProposer(Proposer):
     @classmethod
     def load(cls, head_dir: str | Path, target: LlamaForCausalLM, num_blocks: int,
              block_size: int = 16, micro_batch: int | None = None, seed: int = 0,
-             select_linear: LinearSelector | None = None) -> EagleProposer:
+             select_linear: LinearSelector | None = None,
+             target_arch: ArchConfig | None = None) -> EagleProposer:
         """The proposer for the head saved in head_dir (checked against, and placed
-        like, the target)."""
-        return cls(load_eagle_head(head_dir, target, select_linear), target, num_blocks,
-                   block_size, micro_batch, seed)
+        like, the target; target_arch: its whole geometry, when the target is a
+        tensor-parallel shard)."""
+        return cls(load_eagle_head(head_dir, target, select_linear, target_arch), target,
+                   num_blocks, block_size, micro_batch, seed)
 
     def check_integrity(self, idle: bool = False) -> None:
         self.kv_manager.check_integrity()
@@ -294,4 +297,5 @@ def build_proposer(context: ProposerContext) -> EagleProposer:
     return EagleProposer.load(context.model_dir, context.target.model, context.num_blocks,
                               context.config.cache.block_size, spec.draft_micro_batch,
                               seed=context.config.model.seed,
-                              select_linear=context.select_linear)
+                              select_linear=context.select_linear,
+                              target_arch=context.target_arch)

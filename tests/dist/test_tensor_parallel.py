@@ -1,0 +1,88 @@
+"""Tensor parallelism over worker processes: the same greedy tokens as one rank, logits
+within float32 reassociation, each rank holding its shard, and a clear error when a
+rank dies or the model does not split."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.executor.base import WorkerDiedError
+
+PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 61)), [7, 7, 7], [300, 12]]
+PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3,
+                        prompt_logprobs=1)
+# Summation order differs between one rank and two (partial sums, then the reduction).
+LOGPROB_TOLERANCE = 1e-4
+
+
+def generate(model_dir, **options):
+    llm = LLM(str(model_dir), progress=False, **options)
+    try:
+        return llm.generate(PROMPTS, PARAMS), llm.engine
+    finally:
+        llm.engine.shutdown()
+
+
+def assert_same(reference, outputs) -> None:
+    for ref, out in zip(reference, outputs, strict=True):
+        assert out.outputs[0].token_ids == ref.outputs[0].token_ids
+        pairs = [(a.logprob, b.logprob) for a, b in zip(ref.outputs[0].logprobs,
+                                                         out.outputs[0].logprobs, strict=True)]
+        pairs += [(a.logprob, b.logprob) for a, b in zip(ref.prompt_logprobs[1:],
+                                                         out.prompt_logprobs[1:], strict=True)]
+        assert max(abs(a - b) for a, b in pairs) < LOGPROB_TOLERANCE
+
+
+# llama_mqa_tied: one KV head for two ranks (replicated) and a tied, vocab-split LM head
+# that doubles as the embedding; qwen2: split q/k/v biases; mixtral: experts split by
+# columns and rows, reduced once per layer.
+@pytest.mark.parametrize("family", ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mixtral"])
+def test_two_ranks_give_one_ranks_tokens(model_factory, family):
+    model_dir = model_factory(family)
+    reference, _ = generate(model_dir)
+    outputs, engine = generate(model_dir, tensor_parallel_size=2)
+    assert_same(reference, outputs)
+    one, two = engine.executor.rank_memory
+    assert one.weights == two.weights and one.kv_cache == two.kv_cache
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "rhd"])
+def test_tokenmills_own_all_reduce_serves_too(llama_dir, algorithm):
+    reference, _ = generate(llama_dir)
+    outputs, _ = generate(llama_dir, tensor_parallel_size=2, all_reduce=algorithm)
+    assert_same(reference, outputs)
+
+
+def test_each_rank_holds_about_half_the_weights_and_kv(llama_dir):
+    single = LLMEngine.from_kwargs(str(llama_dir), progress=False, num_blocks=32)
+    engine = LLMEngine.from_kwargs(str(llama_dir), progress=False, num_blocks=32,
+                                   tensor_parallel_size=2)
+    try:
+        rank = engine.executor.rank_memory[0]
+        whole = single.info.memory
+        assert rank.kv_cache == whole.kv_cache // 2  # 2 KV heads: one per rank
+        # Norms are replicated; every projection and the embedding are split.
+        assert whole.weights / 2 <= rank.weights < 0.55 * whole.weights
+    finally:
+        engine.shutdown()
+
+
+def test_a_model_that_does_not_split_is_a_clear_error(llama_dir):
+    with pytest.raises(ValueError, match="tensor_parallel_size 3 does not divide"):
+        LLM(str(llama_dir), progress=False, tensor_parallel_size=3)
+
+
+def test_a_rank_dying_mid_run_fails_the_engine_quickly(llama_dir):
+    engine = LLMEngine.from_kwargs(str(llama_dir), progress=False, tensor_parallel_size=2)
+    engine.add_request("a", PROMPTS[1], PARAMS)
+    engine.step()
+    engine.executor._processes[1].kill()
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="exited"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - started < 10

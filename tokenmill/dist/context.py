@@ -1,0 +1,86 @@
+"""The tensor-parallel group a worker runs in, over torch.distributed.
+
+Workers are processes: tokenmill launches them itself (executor/multiprocess.py gives
+each its rank and a rendezvous port), or torchrun does (RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT in the environment are honoured). The backend is gloo on
+the CPU and NCCL on CUDA. `GroupCollectives` is what model layers call
+(layers/parallel.py's protocol); it also times the collectives, so a step's
+communication can be reported apart from its compute.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from tokenmill.dist.collectives import ALGORITHMS, all_reduce
+
+# How long a collective may wait for a peer before the group gives up (a dead worker
+# must fail the step, not hang it).
+COLLECTIVE_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where and how the ranks of one engine find each other."""
+
+    rank: int
+    world_size: int
+    port: int
+    backend: str = "gloo"
+
+    @classmethod
+    def from_environment(cls, backend: str) -> Rendezvous | None:
+        """torchrun's variables, when they are set."""
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            return None
+        return cls(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
+                   int(os.environ.get("MASTER_PORT", "29500")), backend)
+
+
+def init_group(rendezvous: Rendezvous) -> None:
+    """Join the process group (once per process)."""
+    if dist.is_initialized():
+        return
+    address = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(rendezvous.backend, init_method=f"tcp://{address}:{rendezvous.port}",
+                            rank=rendezvous.rank, world_size=rendezvous.world_size,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+@dataclass
+class GroupCollectives:
+    """This rank's view of its tensor-parallel group."""
+
+    rank: int
+    size: int
+    algorithm: str = "backend"
+    group: dist.ProcessGroup | None = None
+    # Seconds spent in collectives since the last take_comm_seconds().
+    comm_seconds: float = field(default=0.0)
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"all_reduce must be one of {ALGORITHMS}, got {self.algorithm!r}")
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        all_reduce(tensor, self.algorithm, self.group)
+        self.comm_seconds += time.perf_counter() - started
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous(), group=self.group)
+        self.comm_seconds += time.perf_counter() - started
+        return torch.cat(parts, dim=-1)
+
+    def take_comm_seconds(self) -> float:
+        seconds, self.comm_seconds = self.comm_seconds, 0.0
+        return seconds
