@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from tokenmill.plan.parallel_command import add_parallel_arguments
+
 
 def add_plan_subcommand(sub: argparse._SubParsersAction) -> None:
     from tokenmill.arguments import add_engine_arguments
@@ -22,6 +24,19 @@ def add_plan_subcommand(sub: argparse._SubParsersAction) -> None:
     memory.add_argument("--log-level", default="warning")
     add_engine_arguments(memory)
     memory.set_defaults(func=cmd_plan_memory)
+    add_parallel_arguments(targets.add_parser(
+        "parallel", help="rank TP x PP layouts of a model on a cluster (a cost model)"))
+    lessons = targets.add_parser("lessons", help="the reports' layout lessons, put to the "
+                                                 "parallel cost model")
+    lessons.add_argument("--log-level", default="warning")
+    lessons.set_defaults(func=cmd_plan_lessons)
+
+
+def cmd_plan_lessons(args: argparse.Namespace) -> int:
+    from tokenmill.plan.lessons import report
+
+    print(report())
+    return 0
 
 
 def cmd_plan_memory(args: argparse.Namespace) -> int:
