@@ -77,7 +77,35 @@ def test_idle_gaps_between_steps_are_counted():
     b = StepRecord(1, 3.0, 4.0, [("schedule", 3.0, 3.5), ("output", 3.5, 4.0)])
     summary = summarize_steps([a, b])
     assert summary.wall_s == pytest.approx(4.0)
-    assert summary.shares == pytest.approx({"compute": 18.75, "host": 31.25, "idle": 50.0})
+    assert summary.shares == pytest.approx({"compute": 18.75, "communication": 0.0,
+                                            "host": 31.25, "idle": 50.0})
+
+
+def test_communication_is_carved_out_of_the_forward_on_its_own_lane():
+    step = StepRecord(0, 0.0, 1.0, [("schedule", 0.0, 0.2), ("forward", 0.2, 1.0)],
+                      communication_s=0.3)
+    summary = summarize_steps([step])
+    assert summary.shares == pytest.approx({"compute": 50.0, "communication": 30.0,
+                                            "host": 20.0, "idle": 0.0})
+    tracer = StepTracer()
+    tracer.steps.append(step)
+    lane = [e for e in tracer.chrome_trace()["traceEvents"] if e.get("cat") == "communication"]
+    assert len(lane) == 1 and lane[0]["tid"] == 2 and lane[0]["dur"] == pytest.approx(3e5)
+
+
+def test_a_worker_in_another_process_reports_its_phases():
+    times = iter([0.0, 0.1, 1.0, 1.2])
+    tracer = StepTracer(clock=lambda: next(times))
+    tracer.begin_step()
+    tracer.mark("schedule")  # t = 0.1
+    tracer.worker_step({"prepare_inputs": 0.1, "forward": 0.6, "sample": 0.1,
+                        "communication": 0.2})  # returned at t = 1.0
+    tracer.end_step()  # t = 1.2
+    phases = [(name, round(start, 3), round(end, 3)) for name, start, end in tracer.steps[0].phases]
+    assert phases == [("schedule", 0.0, 0.1), ("transfer", 0.1, 0.2),
+                      ("prepare_inputs", 0.2, 0.3), ("forward", 0.3, 0.9), ("sample", 0.9, 1.0),
+                      ("output", 1.0, 1.2)]
+    assert tracer.steps[0].communication_s == 0.2
 
 
 def test_engine_without_tracer_has_none(llama_dir):

@@ -6,6 +6,7 @@ import argparse
 
 
 def add_bench_subcommands(sub: argparse._SubParsersAction) -> None:
+    from tokenmill.bench.collectives import add_collectives_arguments
     from tokenmill.bench.compare import add_compare_arguments
     from tokenmill.bench.latency import add_latency_arguments
     from tokenmill.bench.peers import add_peers_arguments
@@ -26,3 +27,6 @@ def add_bench_subcommands(sub: argparse._SubParsersAction) -> None:
         "compare", help="one workload across engine configs and peers; Markdown + PNG report"))
     add_peers_arguments(commands.add_parser(
         "peers", help="detect or install peer engines (transformers, llama.cpp, vLLM)"))
+    add_collectives_arguments(commands.add_parser(
+        "collectives", help="all-reduce latency and bandwidth by algorithm, with an "
+                            "alpha-beta fit"))

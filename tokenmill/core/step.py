@@ -90,6 +90,11 @@ class StepOutput:
     # Requests the step could not be run for (request id -> what went wrong); set by
     # the engine when it retries a failed step request by request.
     failed: dict[str, str] = field(default_factory=dict)
+    # Seconds the worker spent in each phase of the step (prepare_inputs, forward,
+    # sample) and, of the forward, in collectives (communication): what a profiler
+    # shows when the worker runs in another process. Timing, not a result: two runs of
+    # one step compare equal without it.
+    phase_seconds: dict[str, float] = field(default_factory=dict, compare=False)
 
     def output(self, request_id: str) -> RequestStepOutput:
         """The request's entry, created on first use."""

@@ -149,6 +149,8 @@ class LLMEngine:
         step = build_step(sched, self.kv_manager, keep_hidden)
         started = time.perf_counter()
         output = self._execute(step)
+        if tracer is not None:
+            tracer.worker_step(output.phase_seconds)
         if output.failed:
             sched, step = self._fail_requests(sched, step, output.failed)
         if speculation is not None:

@@ -72,9 +72,10 @@ class Executor(ABC):
         """The worker-side cache structures (idle: no request holds any state)."""
 
     def set_tracer(self, tracer) -> None:
-        """Report the worker's step phases to a StepTracer (None: stop)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot trace the worker's phases; "
-                                  "profile with the in-process executor")
+        """Mark the worker's step phases on a StepTracer live (None: stop). Executors
+        whose workers run elsewhere leave this alone: the phases reach the tracer
+        through StepOutput.phase_seconds."""
+        return None
 
     def shutdown(self) -> None:
         """Stop the worker(s); the executor is unusable afterwards."""

@@ -28,10 +28,11 @@ from typing import Any
 
 
 class ProfileError(RuntimeError):
-    """Profiling cannot be done as asked (e.g. the worker runs in another process)."""
+    """Profiling cannot be done as asked (e.g. a profile is already running)."""
 
 
-PHASES = ("schedule", "prepare_inputs", "forward", "logits", "sample", "output")
+# transfer: sending the step to a worker in another process and its answer back.
+PHASES = ("schedule", "transfer", "prepare_inputs", "forward", "logits", "sample", "output")
 COMPUTE_PHASES = frozenset({"forward", "logits"})
 
 
@@ -48,6 +49,8 @@ class StepRecord:
     num_waiting: int = 0
     # Seconds after the step spent stopping/exporting torch.profiler: not idle time.
     pause_after: float = 0.0
+    # Of the forward, seconds in tensor-parallel collectives (reported by the worker).
+    communication_s: float = 0.0
 
 
 class StepTracer:
@@ -67,12 +70,11 @@ class StepTracer:
 
     # ---- attaching ------------------------------------------------------------------------
     def attach(self, engine) -> StepTracer:
-        """Trace `engine`'s steps; raises ProfileError when its executor cannot report
-        the worker's phases (a worker in another process)."""
-        try:
-            engine.executor.set_tracer(self)
-        except NotImplementedError as exc:
-            raise ProfileError(str(exc)) from None
+        """Trace `engine`'s steps (a worker in another process reports its phases with
+        each step's output); ProfileError when a tracer is attached already."""
+        if engine.tracer is not None:
+            raise ProfileError("a profile is already running on this engine")
+        engine.executor.set_tracer(self)
         engine.tracer = self
         if engine.speculation is not None:
             engine.speculation.tracer = self
@@ -120,6 +122,28 @@ class StepTracer:
         step.phases.append((phase, self._last_boundary, now))
         self._last_boundary = now
 
+    def worker_step(self, phase_seconds: dict[str, float]) -> None:
+        """The worker's own account of the step just executed (StepOutput.phase_seconds):
+        its time in collectives, and, when the worker runs in another process (no phase
+        was marked live), its phases, laid out to end now after the transfer."""
+        step = self._current
+        if step is None:
+            return
+        step.communication_s += phase_seconds.get("communication", 0.0)
+        if any(name == "forward" for name, _, _ in step.phases):
+            return  # marked live, in this process
+        now = self.clock()
+        worker = [(name, phase_seconds[name]) for name in ("prepare_inputs", "forward", "sample")
+                  if name in phase_seconds]
+        start = max(self._last_boundary, now - sum(seconds for _, seconds in worker))
+        if start > self._last_boundary:
+            step.phases.append(("transfer", self._last_boundary, start))
+        for index, (name, seconds) in enumerate(worker):
+            end = now if index == len(worker) - 1 else min(start + seconds, now)
+            step.phases.append((name, start, end))
+            start = end
+        self._last_boundary = now
+
     def end_step(self) -> None:
         step = self._current
         if step is None:
@@ -154,7 +178,9 @@ class StepTracer:
         """Trace Event Format: a step span with its phase spans nested, plus counters."""
         events: list[dict] = [
             {"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "tokenmill engine"}},
-            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "steps"}}]
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 1, "args": {"name": "steps"}},
+            {"name": "thread_name", "ph": "M", "pid": 1, "tid": 2,
+             "args": {"name": "communication (inside the forward)"}}]
         if not self.steps:
             return {"traceEvents": events, "displayTimeUnit": "ms"}
         origin = self.steps[0].start
@@ -182,6 +208,13 @@ class StepTracer:
                 events.append({"name": phase, "cat": "phase", "ph": "X", "pid": 1, "tid": 1,
                                "ts": us(start), "dur": us(end) - us(start),
                                "args": {"step": step.index}})
+                if phase == "forward" and step.communication_s:
+                    # The collectives are spread through the forward; their total is
+                    # drawn from its start, on a lane of its own.
+                    events.append({"name": "all-reduce / all-gather", "cat": "communication",
+                                   "ph": "X", "pid": 1, "tid": 2, "ts": us(start),
+                                   "dur": round(step.communication_s * 1e6, 3),
+                                   "args": {"step": step.index}})
             events.append({"name": "batch", "ph": "C", "pid": 1, "ts": us(step.start),
                            "args": {"prefill_tokens": step.prefill_tokens,
                                     "decode_tokens": step.decode_tokens}})

@@ -11,6 +11,7 @@ child process.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -132,19 +133,23 @@ class Worker:
 
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
+        clock = PhaseClock(self.tracer)
         with self.products.step_context():
             for request_id in step.preempted_request_ids:
                 self._draft_probs.pop(request_id, None)
                 if self.proposer is not None:
                     self.proposer.release(request_id)
             batch = self.runner.prepare(step.requests)
-            self._mark("prepare_inputs")
+            clock.mark("prepare_inputs")
             hidden = self.runner.forward(batch)
-            self._mark("forward")
+            clock.mark("forward")
             output = self.sampler.run(step.requests, batch, hidden, self._draft_probs)
             if step.keep_hidden_states and self.proposer is not None:
                 self._observe(step, batch.order, batch.query_start, hidden, output)
-            self._mark("sample")
+            clock.mark("sample")
+        output.phase_seconds = clock.seconds
+        if isinstance(self.group, GroupCollectives):
+            output.phase_seconds["communication"] = self.group.take_comm_seconds()
         return output
 
     def _observe(self, step: StepInput, order: list[int], query_start: list[int],
@@ -185,7 +190,21 @@ class Worker:
     def needs_hidden_states(self) -> bool:
         return self.proposer is not None and self.proposer.needs_hidden_states
 
-    def _mark(self, phase: str) -> None:
+
+
+class PhaseClock:
+    """Times a step's phases for StepOutput.phase_seconds, and marks them on a tracer
+    attached in this process (None: nothing to mark)."""
+
+    def __init__(self, tracer) -> None:
+        self.tracer = tracer
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
         if self.tracer is not None:
             self.tracer.mark(phase)
+        now = time.perf_counter()
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + now - self._last
+        self._last = now
 
