@@ -134,6 +134,66 @@ class ModelConfig:
         _require(self.cpu_blas in CPU_BLAS, "cpu_blas", f"one of {CPU_BLAS}", self.cpu_blas)
 
 
+QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATION_METHODS = ("rtn", "hqq")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantization of the Linear layers (projections, experts, LM head),
+    applied when the float checkpoint is loaded; activations stay float32."""
+
+    # none | int8: symmetric codes, one scale per output channel (or per group of
+    # quantization_group_size input columns when set) | int4: asymmetric codes, a scale
+    # and an offset per group of quantization_group_size input columns.
+    quantization: Literal["none", "int8", "int4"] = "none"
+    # Input columns per scale: 32, 64 or 128. None: per output channel for int8, 128
+    # for int4. A layer the group size does not divide keeps float weights (logged).
+    quantization_group_size: int | None = None
+    # How int4 scales and zero points are chosen: rtn (round to nearest on each group's
+    # min/max) or hqq (half-quadratic zero points; no calibration data).
+    quantization_method: Literal["rtn", "hqq"] = "rtn"
+    # Comma-separated fnmatch patterns of layer names kept in full precision, e.g.
+    # "lm_head" or "lm_head,model.layers.0.*". A tied LM head is also the embedding:
+    # quantized, both read its codes; excluded, both stay float. MoE routers are never
+    # quantized (their scores pick experts).
+    quantization_exclude: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.quantization in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}",
+                 self.quantization)
+        _require(self.quantization_method in QUANTIZATION_METHODS, "quantization_method",
+                 f"one of {QUANTIZATION_METHODS}", self.quantization_method)
+        if self.quantization_group_size is not None:
+            _require(self.quantization_group_size in QUANTIZATION_GROUP_SIZES,
+                     "quantization_group_size", f"one of {QUANTIZATION_GROUP_SIZES} or None",
+                     self.quantization_group_size)
+        if self.quantization_exclude:
+            patterns = [p.strip() for p in self.quantization_exclude.split(",")]
+            _require(all(patterns), "quantization_exclude",
+                     "comma-separated, non-empty layer-name patterns", self.quantization_exclude)
+        if self.quantization == "none":
+            _require(self.quantization_group_size is None and self.quantization_method == "rtn"
+                     and not self.quantization_exclude, "quantization",
+                     "int8 or int4 when a quantization_* option is set", self.quantization)
+        if self.quantization == "int8":
+            _require(self.quantization_method == "rtn", "quantization_method",
+                     "'rtn' for int8 (symmetric codes: no zero point to optimise)",
+                     self.quantization_method)
+
+    @property
+    def exclude_patterns(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.quantization_exclude.split(",") if p.strip())
+
+    @property
+    def group_size(self) -> int | None:
+        """Input columns per scale (None: one scale per output channel)."""
+        if self.quantization == "int4":
+            return self.quantization_group_size or 128
+        return self.quantization_group_size
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """Speculative decoding: which proposer, how many tokens, when to back off."""
@@ -214,6 +274,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
         sched = self.scheduler
@@ -241,7 +302,8 @@ class EngineConfig:
 
 _PARTS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig,
                            "scheduler": SchedulerConfig, "spec": SpecConfig,
-                           "attention": AttentionConfig, "parallel": ParallelConfig}
+                           "attention": AttentionConfig, "parallel": ParallelConfig,
+                           "quant": QuantConfig}
 _FIELD_OWNER: dict[str, str] = {
     f.name: part for part, klass in _PARTS.items() for f in dataclasses.fields(klass)
 }

@@ -28,6 +28,9 @@ class Linear(nn.Module):
         # Whether the plain weight is read for more than products (a tied LM head is
         # also the embedding table): methods that repack the weight keep it then.
         self.keep_weight = False
+        # Whether weight quantization may take this layer (a MoE router's scores pick
+        # experts: it stays exact).
+        self.quantizable = True
         self.method: LinearMethod = PLAIN
         self.method.create_weights(self)
 

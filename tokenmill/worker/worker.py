@@ -21,6 +21,7 @@ from tokenmill.layers.linear import weight_bytes
 from tokenmill.layers.products import product_policy
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import load_model, resolve_device, resolve_dtype
+from tokenmill.quant.policy import quantized_products
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.sampling import StepSampler
 from tokenmill.speculative.factory import build_proposer, proposer_context, proposer_footprint
@@ -61,7 +62,10 @@ class Worker:
             torch.set_num_threads(mcfg.num_threads)
         torch.manual_seed(mcfg.seed)
         device = resolve_device(mcfg.device)
-        self.products = product_policy(mcfg.cpu_blas, device, resolve_dtype(mcfg.dtype, device))
+        dtype = resolve_dtype(mcfg.dtype, device)
+        # Proposers keep the base products: weight quantization applies to the target.
+        self.base_products = product_policy(mcfg.cpu_blas, device, dtype)
+        self.products = quantized_products(config.quant, self.base_products, dtype)
         self.products.configure_threads(mcfg.num_threads or torch.get_num_threads())
         loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
                             progress=progress, select_linear=self.products.selector)
@@ -79,7 +83,7 @@ class Worker:
         self.sampler = StepSampler(loaded.model, seed=mcfg.seed)
         if context is not None:
             context.target, context.num_blocks = loaded, self.kv_plan.num_blocks
-            context.select_linear, context.progress = self.products.selector, progress
+            context.select_linear, context.progress = self.base_products.selector, progress
         self.proposer = build_proposer(context)
         # Distributions the last proposals' sampled drafts were drawn from, by request.
         self._draft_probs: dict[str, torch.Tensor] = {}
