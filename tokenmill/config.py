@@ -110,7 +110,10 @@ CPU_BLAS = ("auto", "onednn", "numpy", "torch")
 class ModelConfig:
     """Which checkpoint, in which dtype, on which device."""
 
+    # A Hugging Face model directory or a GGUF file.
     model: str = str(DEFAULT_MODEL_DIR)
+    # A tokenizer directory (None: the model directory's, or a GGUF file's own metadata).
+    tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     # None: the checkpoint's max_position_embeddings.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
+from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -32,6 +33,14 @@ from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.driver import SpeculativeDriver
 
 
+def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
+    """A model or tokenizer directory's tokenizer, or the one a GGUF file describes."""
+    path = Path(source)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(source)
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, progress: bool = True) -> None:
         self.executor = create_executor(config, progress)
@@ -40,7 +49,7 @@ class LLMEngine:
         self.max_model_len = info.max_model_len
         self.kv_plan = info.kv_plan
         self.config = config = config.with_max_model_len(info.max_model_len)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model.model)
+        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         self.eos_token_ids = self._eos_ids(info.generation_config)
         self.generation_defaults = info.generation_config
         self.kv_manager = KVCacheManager(info.kv_plan.num_blocks, config.cache.block_size,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tokenmill.layers.block_tensor import BlockTensor
 from tokenmill.layers.linear_method import PLAIN, LinearMethod
 
 # (qualified module name, layer) -> the method that layer uses.
@@ -45,9 +46,11 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
-    def load(self, name: str, tensor: torch.Tensor, rows: slice | None = None) -> None:
+    def load(self, name: str, tensor: torch.Tensor | BlockTensor,
+             rows: slice | None = None) -> None:
         """Copy a checkpoint tensor (weight [out, in] or bias [out]) into the output rows
-        `rows` (all when None) of this layer."""
+        `rows` (all when None) of this layer; a block-quantized weight is dequantized
+        unless the method keeps its format."""
         rows = rows or slice(0, self.out_features)
         if name == "bias":
             dest = self.bias[rows]
@@ -56,6 +59,8 @@ class Linear(nn.Module):
             with torch.no_grad():
                 dest.copy_(tensor)
         else:
+            if isinstance(tensor, BlockTensor) and not self.method.takes_blocks(tensor):
+                tensor = tensor.dequantize()
             self.method.load_weight(self, tensor, rows)
 
     def embedding(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -24,38 +24,26 @@ def scheme_for(config: QuantConfig) -> QuantScheme:
     return QuantScheme(bits, config.group_size, config.quantization_method)
 
 
-class QuantizedProducts(ProductPolicy):
-    def __init__(self, base: ProductPolicy, method: QuantizedLinearMethod,
-                 exclude: tuple[str, ...] = ()) -> None:
+class WrappedProducts(ProductPolicy):
+    """A base policy with some layers given another method (`override`): everything a
+    step needs around its products (threads, step context, row padding) stays the base's."""
+
+    def __init__(self, base: ProductPolicy, name: str) -> None:
         super().__init__(base.device)
         self.base = base
-        self.method = method
-        self.exclude = exclude
-        self.name = f"{base.name}, {method.name}"
+        self.name = f"{base.name}, {name}"
         self.repacks_weights = base.repacks_weights
-        # Input widths the scheme does not fit (logged once each).
-        self._unfit: set[int] = set()
 
-    def quantizes(self, prefix: str, layer: Linear) -> bool:
-        if not layer.quantizable or any(fnmatchcase(prefix, p) for p in self.exclude):
-            return False
-        if not self.method.scheme.fits(layer.in_features):
-            if layer.in_features not in self._unfit:
-                self._unfit.add(layer.in_features)
-                logger.warning("layers with %d input columns (%s, ...) keep float weights: "
-                               "%s does not fit them", layer.in_features, prefix,
-                               self.method.name)
-            return False
-        return True
+    def override(self, prefix: str, layer: Linear) -> QuantizedLinearMethod | None:
+        raise NotImplementedError
 
     def select(self, prefix: str, layer: Linear) -> LinearMethod:
-        if self.quantizes(prefix, layer):
-            return self.method
-        return self.base.select(prefix, layer)
+        return self.override(prefix, layer) or self.base.select(prefix, layer)
 
     def planned_weight_bytes(self, prefix: str, layer: Linear, dtype: torch.dtype) -> int:
-        if self.quantizes(prefix, layer):
-            return self.method.planned_weight_bytes(layer)
+        method = self.override(prefix, layer)
+        if method is not None:
+            return method.planned_weight_bytes(layer)
         return self.base.planned_weight_bytes(prefix, layer, dtype)
 
     def configure_threads(self, num_threads: int) -> None:
@@ -66,6 +54,28 @@ class QuantizedProducts(ProductPolicy):
 
     def padded_rows(self, num_rows: int) -> int:
         return self.base.padded_rows(num_rows)
+
+
+class QuantizedProducts(WrappedProducts):
+    def __init__(self, base: ProductPolicy, method: QuantizedLinearMethod,
+                 exclude: tuple[str, ...] = ()) -> None:
+        super().__init__(base, method.name)
+        self.method = method
+        self.exclude = exclude
+        # Input widths the scheme does not fit (logged once each).
+        self._unfit: set[int] = set()
+
+    def override(self, prefix: str, layer: Linear) -> QuantizedLinearMethod | None:
+        if not layer.quantizable or any(fnmatchcase(prefix, p) for p in self.exclude):
+            return None
+        if not self.method.scheme.fits(layer.in_features):
+            if layer.in_features not in self._unfit:
+                self._unfit.add(layer.in_features)
+                logger.warning("layers with %d input columns (%s, ...) keep float weights: "
+                               "%s does not fit them", layer.in_features, prefix,
+                               self.method.name)
+            return None
+        return self.method
 
 
 def quantized_products(config: QuantConfig, base: ProductPolicy,

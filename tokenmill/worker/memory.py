@@ -13,8 +13,14 @@ from tokenmill.kv.quant import SCALE_DTYPE, is_quantized, storage_dtype
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.products import ProductPolicy, product_policy
 from tokenmill.model.arch import ArchConfig
-from tokenmill.model.loader import read_config, resolve_device, resolve_dtype
+from tokenmill.model.loader import (
+    linear_weight_formats,
+    read_config,
+    resolve_device,
+    resolve_dtype,
+)
 from tokenmill.model.registry import resolve_model_class
+from tokenmill.quant.gguf_blocks import block_products
 from tokenmill.quant.policy import quantized_products
 from tokenmill.speculative.factory import ProposerFootprint, proposer_context, proposer_footprint
 
@@ -71,6 +77,14 @@ def available_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def target_products(config: EngineConfig, base: ProductPolicy, dtype: torch.dtype
+                    ) -> ProductPolicy:
+    """The policy the target model loads with: weight quantization and a GGUF file's
+    kept block formats on top of the base policy (which proposers keep)."""
+    target = quantized_products(config.quant, base, dtype)
+    return block_products(target, linear_weight_formats(config.model.model), dtype)
 
 
 def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
@@ -230,8 +244,8 @@ def plan_deployment_memory(config: EngineConfig, context: int, concurrency: int,
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     arch = read_config(config.model.model)
-    policy = quantized_products(config.quant, product_policy(config.model.cpu_blas, device,
-                                                              dtype), dtype)
+    policy = target_products(config, product_policy(config.model.cpu_blas, device, dtype),
+                             dtype)
     proposer = proposer_footprint(proposer_context(config, arch, device, dtype))
     return plan_memory(config, arch, dtype, context, concurrency,
                        device_memory or available_memory(device), proposer, policy=policy)

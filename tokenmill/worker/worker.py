@@ -21,11 +21,10 @@ from tokenmill.layers.linear import weight_bytes
 from tokenmill.layers.products import product_policy
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import load_model, resolve_device, resolve_dtype
-from tokenmill.quant.policy import quantized_products
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.sampling import StepSampler
 from tokenmill.speculative.factory import build_proposer, proposer_context, proposer_footprint
-from tokenmill.worker.memory import KVPlan, plan_kv_blocks
+from tokenmill.worker.memory import KVPlan, plan_kv_blocks, target_products
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +64,7 @@ class Worker:
         dtype = resolve_dtype(mcfg.dtype, device)
         # Proposers keep the base products: weight quantization applies to the target.
         self.base_products = product_policy(mcfg.cpu_blas, device, dtype)
-        self.products = quantized_products(config.quant, self.base_products, dtype)
+        self.products = target_products(config, self.base_products, dtype)
         self.products.configure_threads(mcfg.num_threads or torch.get_num_threads())
         loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
                             progress=progress, select_linear=self.products.selector)
