@@ -9,7 +9,7 @@ method's engine loaded side by side and measured interleaved (A B C D, A B C D, 
     to end (prefill included, as in MEASURING.md's reference table);
   - prefill of a 512-token prompt, tokens/s.
 Load time and memory, each method in a fresh process: seconds to a ready engine
-(quantization included), peak and final resident memory, weight bytes as start-up
+(quantization included; AWQ's calibration on stdlib files of pycoder's training split), peak and final resident memory, weight bytes as start-up
 measures them.
 Accuracy on pycoder (and pycoder-moe) against float32, teacher-forced on held-out stdlib
 code (bench_kv_quant.py's texts and logits recorder): perplexity and its delta, mean
@@ -18,7 +18,7 @@ KL(fp32 || method) of next-token distributions, top-1 agreement.
 Prints one table with float32 measured in the same run and every ratio to it; writes
 --json and --plot (a PNG: decode speed against roofline, and KL against speed).
 
-    python benchmarks/bench_quant.py [--threads 2] [--methods fp32,int8,int4-rtn,int4-hqq]
+    python benchmarks/bench_quant.py [--threads 2] [--methods fp32,int8,int4-rtn,int4-hqq,int4-awq]
         [--group-size 128] [--repeats 3] [--json quant.json] [--plot quant.png]
 """
 
@@ -41,7 +41,7 @@ from bench_core import MODEL_DIR, build_model, random_prompt  # noqa: E402
 from bench_kv_quant import LogitsRecorder, held_out_texts, teacher_forced_logits  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.bench.ceilings import machine_ceilings  # noqa: E402
+from tokenmill.bench.ceilings import CACHE, machine_ceilings  # noqa: E402
 from tokenmill.engine.engine import LLMEngine  # noqa: E402
 from tokenmill.layers.linear import Linear  # noqa: E402
 
@@ -51,15 +51,37 @@ METHODS = {
     "int8": {"quantization": "int8"},
     "int4-rtn": {"quantization": "int4", "quantization_method": "rtn"},
     "int4-hqq": {"quantization": "int4", "quantization_method": "hqq"},
+    "int4-awq": {"quantization": "int4", "quantization_method": "awq"},
     "int4-rtn-fp32-head": {"quantization": "int4", "quantization_method": "rtn",
                            "quantization_exclude": "lm_head"},
 }
+
+
+def calibration_file() -> Path:
+    """AWQ's calibration text: stdlib files of pycoder's training split (hash bucket 1,
+    never bucket 0, the held-out texts accuracy is measured on)."""
+    import hashlib
+    import sysconfig
+
+    path = CACHE / "quant-calibration.txt"
+    if not path.is_file():
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        texts = []
+        for file in sorted(stdlib.glob("*.py")):
+            digest = hashlib.sha256(file.relative_to(stdlib).as_posix().encode()).digest()
+            if int.from_bytes(digest[:8], "big") % 20 == 1:
+                texts.append(file.read_text(errors="replace"))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("\n".join(texts[:40]))
+    return path
 
 
 def method_options(name: str, group_size: int) -> dict:
     options = dict(METHODS[name])
     if options.get("quantization") == "int4":
         options["quantization_group_size"] = group_size
+    if options.get("quantization_method") == "awq":
+        options["quantization_calibration"] = str(calibration_file())
     return options
 
 
@@ -251,7 +273,7 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=MODEL_DIR,
                         help="speed model (default: the random Qwen2.5-0.5B shape)")
     parser.add_argument("--accuracy-models", default="models/pycoder,models/pycoder-moe")
-    parser.add_argument("--methods", default="fp32,int8,int4-rtn,int4-hqq")
+    parser.add_argument("--methods", default="fp32,int8,int4-rtn,int4-hqq,int4-awq")
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--decode-tokens", type=int, default=128)

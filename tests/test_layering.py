@@ -31,7 +31,7 @@ ALLOWED: dict[str, set[str]] = {
     "runner": BASE | {"core", "attention", "kv", "layers", "model"},
     "speculative": BASE | {"core", "attention", "kv", "layers", "model", "runner"},
     "worker": BASE | {"core", "attention", "kv", "layers", "model", "runner", "speculative",
-                      "quant"},
+                      "quant", "chat"},
     "executor": BASE | {"core", "model", "worker"},
     "engine": BASE | {"core", "executor", "speculative", "chat"},
     "llm": BASE | {"engine", "chat"},

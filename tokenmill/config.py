@@ -138,7 +138,7 @@ class ModelConfig:
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
-QUANTIZATION_METHODS = ("rtn", "hqq")
+QUANTIZATION_METHODS = ("rtn", "hqq", "awq")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 
 
@@ -155,8 +155,12 @@ class QuantConfig:
     # for int4. A layer the group size does not divide keeps float weights (logged).
     quantization_group_size: int | None = None
     # How int4 scales and zero points are chosen: rtn (round to nearest on each group's
-    # min/max) or hqq (half-quadratic zero points; no calibration data).
-    quantization_method: Literal["rtn", "hqq"] = "rtn"
+    # min/max), hqq (half-quadratic zero points; no calibration data) or awq
+    # (activation-aware input-channel scales, calibrated on quantization_calibration).
+    quantization_method: Literal["rtn", "hqq", "awq"] = "rtn"
+    # awq: a text file, or a directory of text files, the calibration runs on (its
+    # first tokens; use text like the model's own data, never the evaluation set).
+    quantization_calibration: str | None = None
     # Comma-separated fnmatch patterns of layer names kept in full precision, e.g.
     # "lm_head" or "lm_head,model.layers.0.*". A tied LM head is also the embedding:
     # quantized, both read its codes; excluded, both stay float. MoE routers are never
@@ -178,12 +182,17 @@ class QuantConfig:
                      "comma-separated, non-empty layer-name patterns", self.quantization_exclude)
         if self.quantization == "none":
             _require(self.quantization_group_size is None and self.quantization_method == "rtn"
-                     and not self.quantization_exclude, "quantization",
+                     and not self.quantization_exclude
+                     and self.quantization_calibration is None, "quantization",
                      "int8 or int4 when a quantization_* option is set", self.quantization)
         if self.quantization == "int8":
             _require(self.quantization_method == "rtn", "quantization_method",
                      "'rtn' for int8 (symmetric codes: no zero point to optimise)",
                      self.quantization_method)
+        awq = self.quantization_method == "awq"
+        _require((self.quantization_calibration is not None) == awq,
+                 "quantization_calibration", "a text file or directory with "
+                 "quantization_method 'awq', and only then", self.quantization_calibration)
 
     @property
     def exclude_patterns(self) -> tuple[str, ...]:

@@ -18,6 +18,10 @@ from tokenmill.engine.engine import LLMEngine
     ({"quantization": "int8", "quantization_exclude": "lm_head,,"}, "quantization_exclude"),
     ({"quantization_group_size": 32}, "quantization"),
     ({"quantization_exclude": "lm_head"}, "quantization"),
+    ({"quantization": "int4", "quantization_method": "awq"}, "quantization_calibration"),
+    ({"quantization": "int4", "quantization_calibration": "x.txt"}, "quantization_calibration"),
+    ({"quantization": "int8", "quantization_method": "awq",
+      "quantization_calibration": "x.txt"}, "quantization_method"),
 ])
 def test_bad_quantization_options_name_the_field(options, field):
     with pytest.raises(ValueError, match=rf"^{field} must be"):
@@ -51,3 +55,10 @@ def test_quantization_needs_float32_on_the_cpu(llama_dir):
     with pytest.raises(ValueError, match="quantization: 'int8' runs float32 models"):
         LLMEngine.from_kwargs(str(llama_dir), progress=False, quantization="int8",
                               dtype="bfloat16")
+
+
+def test_awq_calibration_text_must_exist(llama_dir, tmp_path):
+    with pytest.raises(ValueError, match="quantization_calibration: .* neither a file"):
+        LLMEngine.from_kwargs(str(llama_dir), progress=False, quantization="int4",
+                              quantization_group_size=32, quantization_method="awq",
+                              quantization_calibration=str(tmp_path / "missing"))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.models import TOKENIZER_CORPUS
 from tokenmill.cli import main
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
@@ -24,8 +25,13 @@ CPU = torch.device("cpu")
     {"quantization": "int4", "quantization_group_size": 64, "cpu_blas": "torch"},
     {"quantization": "int4", "quantization_group_size": 32,
      "quantization_exclude": "lm_head,*.layers.1.*"},
+    {"quantization": "int4", "quantization_group_size": 32, "quantization_method": "awq"},
 ])
-def test_plan_counts_the_quantized_bytes_start_up_measures(model_factory, family, options):
+def test_plan_counts_the_quantized_bytes_start_up_measures(model_factory, family, options,
+                                                           tmp_path):
+    if options.get("quantization_method") == "awq":  # plus one scale per input column
+        (tmp_path / "calibration.txt").write_text("".join(TOKENIZER_CORPUS) * 4)
+        options = {**options, "quantization_calibration": str(tmp_path / "calibration.txt")}
     config_options = {"model": str(model_factory(family)), "num_blocks": 16, **options}
     engine = LLMEngine.from_kwargs(progress=False, **config_options)
     plan = plan_deployment_memory(EngineConfig.from_kwargs(**config_options), context=64,

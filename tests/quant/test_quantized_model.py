@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tests.engine_run import run_staggered
+from tests.models import TOKENIZER_CORPUS
 from tokenmill import SamplingParams
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.layers.linear import Linear
@@ -50,12 +51,26 @@ CASES = [
                         "cpu_blas": "torch"}),
     ("mixtral", {"quantization": "int4", "quantization_group_size": 64}),
     ("mixtral", {"quantization": "int8", "quantization_exclude": "lm_head"}),
+    ("llama_mqa_tied", {"quantization": "int4", "quantization_group_size": 32,
+                        "quantization_method": "awq"}),
+    ("mixtral", {"quantization": "int4", "quantization_group_size": 32,
+                 "quantization_method": "awq"}),
 ]
+
+
+@pytest.fixture(scope="module")
+def calibration_file(tmp_path_factory):
+    """Text in the tiny models' tokenizer's domain (never the prompts below)."""
+    path = tmp_path_factory.mktemp("calibration") / "calibration.txt"
+    path.write_text("".join(TOKENIZER_CORPUS) * 4)
+    return path
 
 
 @pytest.mark.parametrize("family, options", CASES)
 def test_quantized_model_generates_what_its_dequantized_weights_generate(
-        model_factory, family, options):
+        model_factory, calibration_file, family, options):
+    if options.get("quantization_method") == "awq":
+        options = {**options, "quantization_calibration": str(calibration_file)}
     model_dir = model_factory(family)
     tokens, engine = run(model_dir, **options)
     reference = dequantized_reference(model_dir, engine)

@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
+from tokenmill.chat import load_tokenizer
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.request import Request
@@ -31,14 +29,6 @@ from tokenmill.executor.factory import create_executor
 from tokenmill.outputs import RequestOutput, TokenLogprob
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.driver import SpeculativeDriver
-
-
-def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
-    """A model or tokenizer directory's tokenizer, or the one a GGUF file describes."""
-    path = Path(source)
-    if path.suffix == ".gguf":
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return AutoTokenizer.from_pretrained(source)
 
 
 class LLMEngine:

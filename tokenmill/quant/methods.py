@@ -8,8 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tokenmill.layers.linear_method import Linear, LinearMethod
+from tokenmill.quant.awq import InputStats, quantize_awq
 from tokenmill.quant.formats import (
     QuantizedWeight,
     check_group_size,
@@ -51,6 +53,9 @@ class QuantScheme:
     def quantize(self, weight: torch.Tensor) -> QuantizedWeight:
         if self.bits == 8:
             return quantize_int8(weight, self.group_size)
+        if self.algorithm == "awq":
+            raise ValueError("awq quantizes from calibration activations "
+                             "(AwqLinearMethod.calibrate)")
         if self.algorithm == "hqq":
             return quantize_int4_hqq(weight, self.group_for(weight.shape[1]))
         return quantize_int4_rtn(weight, self.group_for(weight.shape[1]))
@@ -100,3 +105,39 @@ class QuantizedLinearMethod(LinearMethod):
         """What weight_bytes will report once the layer is loaded and finalized."""
         return packed_bytes(self.scheme.bits, layer.out_features, layer.in_features,
                             self.scheme.group_for(layer.in_features))
+
+
+class AwqLinearMethod(QuantizedLinearMethod):
+    """int4 codes of W diag(s) and the activation scale 1/s per input column (awq.py).
+
+    Until `calibrate` the layer keeps its float weight and multiplies in float, so the
+    worker can run the float model over the calibration text first."""
+
+    def finalize(self, layer: Linear) -> None:
+        return None  # quantized by calibrate, once activations are known
+
+    def calibrate(self, layer: Linear, stats: InputStats) -> None:
+        quantized, inverse = quantize_awq(layer.weight.detach(),
+                                          self.scheme.group_for(layer.in_features), stats)
+        layer.input_scale = inverse
+        self.set_quantized(layer, quantized)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(layer, "quantized"):
+            return F.linear(x, layer.weight, layer.bias)
+        return self.kernels.linear(x * layer.input_scale, layer.quantized, layer.bias)
+
+    def embedding(self, layer: Linear, token_ids: torch.Tensor) -> torch.Tensor:
+        if not hasattr(layer, "quantized"):  # a tied embedding, while calibrating
+            return LinearMethod.embedding(self, layer, token_ids)
+        return super().embedding(layer, token_ids) * layer.input_scale
+
+    def checkpoint_weight(self, layer: Linear) -> torch.Tensor:
+        return super().checkpoint_weight(layer) * layer.input_scale
+
+    def weight_bytes(self, layer: Linear) -> int:
+        scale = layer.input_scale.numel() * 4 if hasattr(layer, "input_scale") else 0
+        return super().weight_bytes(layer) + scale
+
+    def planned_weight_bytes(self, layer: Linear) -> int:
+        return super().planned_weight_bytes(layer) + 4 * layer.in_features

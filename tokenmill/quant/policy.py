@@ -14,7 +14,7 @@ from tokenmill.config import QuantConfig
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.linear_method import LinearMethod
 from tokenmill.layers.products import LINEAR_METHODS, ProductPolicy, register_linear_method
-from tokenmill.quant.methods import QuantizedLinearMethod, QuantScheme
+from tokenmill.quant.methods import AwqLinearMethod, QuantizedLinearMethod, QuantScheme
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +93,7 @@ def quantized_products(config: QuantConfig, base: ProductPolicy,
     # Methods are stateless: engines with the same scheme share the registered one.
     method = LINEAR_METHODS.get(scheme.name)
     if method is None:
-        method = QuantizedLinearMethod(scheme)
+        method_class = AwqLinearMethod if scheme.algorithm == "awq" else QuantizedLinearMethod
+        method = method_class(scheme)
         register_linear_method(method)
     return QuantizedProducts(base, method, config.exclude_patterns)

@@ -24,6 +24,7 @@ from tokenmill.model.loader import load_model, resolve_device, resolve_dtype
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.sampling import StepSampler
 from tokenmill.speculative.factory import build_proposer, proposer_context, proposer_footprint
+from tokenmill.worker.calibration import calibrate
 from tokenmill.worker.memory import KVPlan, plan_kv_blocks, target_products
 
 logger = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class Worker:
         self.products.configure_threads(mcfg.num_threads or torch.get_num_threads())
         loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
                             progress=progress, select_linear=self.products.selector)
+        calibrate(loaded.model, config)  # activation-aware quantization, when configured
         self.arch, self.device, self.dtype = loaded.arch, loaded.device, loaded.dtype
         self.generation_config = loaded.generation_config
         self.max_model_len = resolve_max_model_len(config, loaded.arch)
