@@ -1,8 +1,18 @@
-"""Chat prompts: messages through the tokenizer's chat template, to token ids."""
+"""Text: a model's tokenizer, and chat prompts through its template, to token ids."""
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(source: str) -> PreTrainedTokenizerBase:
+    """A model or tokenizer directory's tokenizer, or the one a GGUF file describes."""
+    path = Path(source)
+    if path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return AutoTokenizer.from_pretrained(source)
 
 
 def apply_chat_template(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],

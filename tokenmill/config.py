@@ -121,7 +121,10 @@ CPU_BLAS = ("auto", "onednn", "numpy", "torch")
 class ModelConfig:
     """Which checkpoint, in which dtype, on which device."""
 
+    # A Hugging Face model directory or a GGUF file.
     model: str = str(DEFAULT_MODEL_DIR)
+    # A tokenizer directory (None: the model directory's, or a GGUF file's own metadata).
+    tokenizer: str | None = None
     dtype: str = "auto"
     device: str = "auto"
     # None: the checkpoint's max_position_embeddings.
@@ -143,6 +146,75 @@ class ModelConfig:
         if self.num_threads is not None:
             _require(self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
         _require(self.cpu_blas in CPU_BLAS, "cpu_blas", f"one of {CPU_BLAS}", self.cpu_blas)
+
+
+QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZATION_METHODS = ("rtn", "hqq", "awq")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """Weight-only quantization of the Linear layers (projections, experts, LM head),
+    applied when the float checkpoint is loaded; activations stay float32."""
+
+    # none | int8: symmetric codes, one scale per output channel (or per group of
+    # quantization_group_size input columns when set) | int4: asymmetric codes, a scale
+    # and an offset per group of quantization_group_size input columns.
+    quantization: Literal["none", "int8", "int4"] = "none"
+    # Input columns per scale: 32, 64 or 128. None: per output channel for int8, 128
+    # for int4. A layer the group size does not divide keeps float weights (logged).
+    quantization_group_size: int | None = None
+    # How int4 scales and zero points are chosen: rtn (round to nearest on each group's
+    # min/max), hqq (half-quadratic zero points; no calibration data) or awq
+    # (activation-aware input-channel scales, calibrated on quantization_calibration).
+    quantization_method: Literal["rtn", "hqq", "awq"] = "rtn"
+    # awq: a text file, or a directory of text files, the calibration runs on (its
+    # first tokens; use text like the model's own data, never the evaluation set).
+    quantization_calibration: str | None = None
+    # Comma-separated fnmatch patterns of layer names kept in full precision, e.g.
+    # "lm_head" or "lm_head,model.layers.0.*". A tied LM head is also the embedding:
+    # quantized, both read its codes; excluded, both stay float. MoE routers are never
+    # quantized (their scores pick experts).
+    quantization_exclude: str = ""
+
+    def __post_init__(self) -> None:
+        _require(self.quantization in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}",
+                 self.quantization)
+        _require(self.quantization_method in QUANTIZATION_METHODS, "quantization_method",
+                 f"one of {QUANTIZATION_METHODS}", self.quantization_method)
+        if self.quantization_group_size is not None:
+            _require(self.quantization_group_size in QUANTIZATION_GROUP_SIZES,
+                     "quantization_group_size", f"one of {QUANTIZATION_GROUP_SIZES} or None",
+                     self.quantization_group_size)
+        if self.quantization_exclude:
+            patterns = [p.strip() for p in self.quantization_exclude.split(",")]
+            _require(all(patterns), "quantization_exclude",
+                     "comma-separated, non-empty layer-name patterns", self.quantization_exclude)
+        if self.quantization == "none":
+            _require(self.quantization_group_size is None and self.quantization_method == "rtn"
+                     and not self.quantization_exclude
+                     and self.quantization_calibration is None, "quantization",
+                     "int8 or int4 when a quantization_* option is set", self.quantization)
+        if self.quantization == "int8":
+            _require(self.quantization_method == "rtn", "quantization_method",
+                     "'rtn' for int8 (symmetric codes: no zero point to optimise)",
+                     self.quantization_method)
+        awq = self.quantization_method == "awq"
+        _require((self.quantization_calibration is not None) == awq,
+                 "quantization_calibration", "a text file or directory with "
+                 "quantization_method 'awq', and only then", self.quantization_calibration)
+
+    @property
+    def exclude_patterns(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.quantization_exclude.split(",") if p.strip())
+
+    @property
+    def group_size(self) -> int | None:
+        """Input columns per scale (None: one scale per output channel)."""
+        if self.quantization == "int4":
+            return self.quantization_group_size or 128
+        return self.quantization_group_size
 
 
 @dataclass(frozen=True)
@@ -242,6 +314,7 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
         sched = self.scheduler
@@ -269,7 +342,8 @@ class EngineConfig:
 
 _PARTS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig,
                            "scheduler": SchedulerConfig, "spec": SpecConfig,
-                           "attention": AttentionConfig, "parallel": ParallelConfig}
+                           "attention": AttentionConfig, "parallel": ParallelConfig,
+                           "quant": QuantConfig}
 _FIELD_OWNER: dict[str, str] = {
     f.name: part for part, klass in _PARTS.items() for f in dataclasses.fields(klass)
 }

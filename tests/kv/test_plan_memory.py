@@ -93,14 +93,18 @@ def test_cli_plan_memory_reports_the_fit(llama_dir, capsys):
                                                     reason="torch built without oneDNN")),
     "torch"])
 @pytest.mark.parametrize("method", [None, "ngram", "draft", "eagle"])
+@pytest.mark.parametrize("quantization", ["none", "int4"])
 def test_memory_plan_with_speculation_equals_what_start_up_allocates(
-        model_factory, eagle_head_dir, method, cpu_blas):
+        model_factory, eagle_head_dir, method, cpu_blas, quantization):
     """`tokenmill plan memory` (nothing loaded) and the engine's start-up (measured on the
-    tensors) count the same bytes: the proposer's weights and KV pool, and the tied LM
-    head's second copy on the repacking (oneDNN) path."""
+    tensors) count the same bytes: the proposer's weights and KV pool, the tied LM
+    head's second copy on the repacking (oneDNN) path, and quantized codes and scales
+    (the target's; proposers keep float weights)."""
     # Tied embeddings; the EAGLE head was built for the untied tiny llama.
     target = model_factory("llama" if method == "eagle" else "llama_mqa_tied")
     options = {"model": str(target), "cpu_blas": cpu_blas, "num_blocks": 24, "block_size": 8}
+    if quantization != "none":
+        options.update(quantization=quantization, quantization_group_size=32)
     if method is not None:
         options["speculative_method"] = method
     if method == "draft":  # a tied draft: its own LM head is kept twice when repacked

@@ -17,8 +17,7 @@ import logging
 import time
 from collections.abc import Iterable
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
-
+from tokenmill.chat import load_tokenizer
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.request import Request
@@ -45,7 +44,7 @@ class LLMEngine:
         self.max_model_len = info.max_model_len
         self.kv_plan = info.kv_plan
         self.config = config = config.with_max_model_len(info.max_model_len)
-        self.tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(config.model.model)
+        self.tokenizer = load_tokenizer(config.model.tokenizer or config.model.model)
         self.eos_token_ids = self._eos_ids(info.generation_config)
         self.generation_defaults = info.generation_config
         self.kv_manager = KVCacheManager(info.kv_plan.num_blocks, config.cache.block_size,

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from tokenmill.layers.block_tensor import BlockTensor
 from tokenmill.layers.linear_method import PLAIN, LinearMethod
 
 # (qualified module name, layer) -> the method that layer uses.
@@ -40,6 +41,9 @@ class Linear(nn.Module):
         # Whether the plain weight is read for more than products (a tied LM head is
         # also the embedding table): methods that repack the weight keep it then.
         self.keep_weight = False
+        # Whether weight quantization may take this layer (a MoE router's scores pick
+        # experts: it stays exact).
+        self.quantizable = True
         self.method: LinearMethod = PLAIN
         self.method.create_weights(self)
 
@@ -54,13 +58,17 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
-    def load(self, name: str, tensor: torch.Tensor, rows: slice | None = None) -> None:
+    def load(self, name: str, tensor: torch.Tensor | BlockTensor,
+             rows: slice | None = None) -> None:
         """Copy a checkpoint tensor (weight [out, in] or bias [out]) into the output rows
-        `rows` (all when None) of this layer."""
+        `rows` (all when None) of this layer; a block-quantized weight is dequantized
+        unless the method keeps its format."""
         rows = rows or slice(0, self.out_features)
         if name == "bias":
             self.method.load_bias(self, tensor, rows)
         else:
+            if isinstance(tensor, BlockTensor) and not self.method.takes_blocks(tensor):
+                tensor = tensor.dequantize()
             self.method.load_weight(self, tensor, rows)
 
     def embedding(self, token_ids: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.block_tensor import BlockTensor
+
 
 class Linear(Protocol):
     """What a method reads and sets on its layer (layers/linear.py's `Linear`)."""
@@ -55,6 +57,11 @@ class LinearMethod(ABC):
     def finalize(self, layer: Linear) -> None:
         """Called once every checkpoint tensor is loaded (the weights sit on their device)."""
         return None
+
+    def takes_blocks(self, tensor: BlockTensor) -> bool:
+        """Whether load_weight takes this block-quantized tensor as it is (otherwise the
+        layer dequantizes it first)."""
+        return False
 
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:

@@ -40,6 +40,8 @@ class SparseMoE(nn.Module):
         self.num_experts = num_experts
         self.top_k = top_k
         self.gate = Linear(hidden_size, num_experts)
+        # Router scores pick experts, and a tiny matrix saves nothing quantized.
+        self.gate.quantizable = False
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size)
                                      for _ in range(num_experts))
         # The tensor-parallel group (the experts' down projections are reduced here).

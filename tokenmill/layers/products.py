@@ -54,6 +54,13 @@ class ProductPolicy:
         transposed = self.device.type == "cpu" and is_wide(layer)
         return LINEAR_METHODS["transposed" if transposed else "plain"]
 
+    def planned_weight_bytes(self, prefix: str, layer: Linear, dtype: torch.dtype) -> int:
+        """Bytes the method `select` picks will keep for the layer's weight once loaded
+        (memory plans ask this of a model built on the meta device): a repacked weight
+        that is also read plain (a tied LM head) is kept twice."""
+        copies = 2 if self.repacks_weights and layer.keep_weight else 1
+        return copies * layer.out_features * layer.in_features * dtype.itemsize
+
     def configure_threads(self, num_threads: int) -> None:
         """Size the product library's own thread pool, if it has one."""
 

@@ -1,4 +1,5 @@
-"""Load a Hugging Face model directory: config, safetensors weights, tokenizer, defaults."""
+"""Load a checkpoint: a Hugging Face model directory (config, safetensors weights,
+generation defaults) or a GGUF file (model/gguf.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,12 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from tokenmill.layers.block_tensor import BlockTensor
 from tokenmill.layers.linear import LinearSelector, bind_linear_methods, finalize_linear_methods
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives, bind_collectives
 from tokenmill.layers.products import ProductPolicy
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.gguf import GGUFCheckpoint, is_gguf
 from tokenmill.model.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -61,7 +64,10 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def read_config(model_dir: str | Path) -> ArchConfig:
+    """The shape of a Hugging Face model directory or a GGUF file."""
     path = Path(model_dir)
+    if is_gguf(path):
+        return ArchConfig.from_hf_config(GGUFCheckpoint(path).hf_config())
     if not (path / "config.json").is_file():
         raise ValueError(f"model: {str(path)!r} is not a Hugging Face model directory "
                          "(no config.json)")
@@ -69,6 +75,8 @@ def read_config(model_dir: str | Path) -> ArchConfig:
 
 
 def read_generation_config(model_dir: str | Path) -> dict[str, Any]:
+    if is_gguf(model_dir):
+        return GGUFCheckpoint(model_dir).generation_config()
     path = Path(model_dir) / "generation_config.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -90,6 +98,34 @@ def iterate_weights(files: list[Path], progress: bool = True) -> Iterator[tuple[
     for handle, name in tqdm(names, desc="Loading weights", unit="tensor", disable=not progress,
                              leave=False):
         yield name, handle.get_tensor(name)
+
+
+def checkpoint_weights(model_dir: Path, arch: ArchConfig, progress: bool
+                       ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+    if is_gguf(model_dir):
+        return GGUFCheckpoint(model_dir).weights(arch.tie_word_embeddings)
+    return iterate_weights(safetensors_files(model_dir), progress)
+
+
+def linear_weight_formats(model_dir: str | Path) -> dict[str, set[str]]:
+    """For a GGUF file, each Linear layer's name -> the GGUF formats of the checkpoint
+    tensors loaded into it (a fused layer has several); {} for a safetensors directory,
+    whose weights are all float."""
+    if not is_gguf(model_dir):
+        return {}
+    checkpoint = GGUFCheckpoint(model_dir)
+    arch = ArchConfig.from_hf_config(checkpoint.hf_config())
+    model_class = resolve_model_class(arch.architecture)
+    formats: dict[str, set[str]] = {}
+    for name, format in checkpoint.tensor_formats().items():
+        if arch.tie_word_embeddings and name == "model.embed_tokens.weight":
+            name = "lm_head.weight"  # the LM head is the embedding table
+        name = model_class.rename_checkpoint_tensor(name)
+        for part, (fused, _shard) in model_class.STACKED_PARAMS.items():
+            if f".{part}." in name:
+                name = name.replace(part, fused)
+        formats.setdefault(name.rsplit(".", 1)[0], set()).add(format)
+    return formats
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
@@ -117,7 +153,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
     model = model.to_empty(device=torch_device).to(torch_dtype)
     # Rotary tables stay in float32 whatever the weights' dtype.
     model.model.rotary.float()
-    loaded = model.load_weights(iterate_weights(safetensors_files(model_dir), progress))
+    loaded = model.load_weights(checkpoint_weights(model_dir, arch, progress))
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {sorted(missing)[:8]}")

@@ -10,9 +10,18 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.kv.quant import SCALE_DTYPE, is_quantized, storage_dtype
-from tokenmill.layers.products import product_policy
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.products import ProductPolicy, product_policy
 from tokenmill.model.arch import ArchConfig
-from tokenmill.model.loader import read_config, resolve_device, resolve_dtype
+from tokenmill.model.loader import (
+    linear_weight_formats,
+    read_config,
+    resolve_device,
+    resolve_dtype,
+)
+from tokenmill.model.registry import resolve_model_class
+from tokenmill.quant.gguf_blocks import block_products
+from tokenmill.quant.policy import quantized_products
 from tokenmill.speculative.factory import ProposerFootprint, proposer_context, proposer_footprint
 
 
@@ -68,6 +77,14 @@ def available_memory(device: torch.device) -> int:
     except OSError:
         pass
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def target_products(config: EngineConfig, base: ProductPolicy, dtype: torch.dtype
+                    ) -> ProductPolicy:
+    """The policy the target model loads with: weight quantization and a GGUF file's
+    kept block formats on top of the base policy (which proposers keep)."""
+    target = quantized_products(config.quant, base, dtype)
+    return block_products(target, linear_weight_formats(config.model.model), dtype)
 
 
 def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
@@ -127,6 +144,8 @@ class MemoryPlan:
     context: int
     concurrency: int
     dtype: torch.dtype
+    # The product policy's name: how the weights are kept (e.g. "onednn, int4-rtn-g128").
+    products: str = ""
 
     @property
     def total_bytes(self) -> int:
@@ -149,7 +168,8 @@ class MemoryPlan:
         kv = self.kv
         lines = [
             f"context {self.context} tokens x {self.concurrency} sequences, "
-            f"weights {str(self.dtype).removeprefix('torch.')}, KV {kv.kv_cache_dtype}",
+            f"weights {str(self.dtype).removeprefix('torch.')}, KV {kv.kv_cache_dtype}"
+            + (f", products {self.products}" if self.products else ""),
             row("weights", self.weights_bytes, f"{self.num_parameters / 1e6:.1f}M parameters"
                 + (", a speculative proposer's included" if kv.proposer_bytes_per_block else "")),
             row("kv cache", kv.total_bytes, f"{kv.num_blocks} blocks x {kv.block_size} tokens, "
@@ -172,11 +192,26 @@ def model_weight_bytes(arch: ArchConfig, num_parameters: int, dtype: torch.dtype
     return (num_parameters + tied_copy) * dtype.itemsize
 
 
+def planned_weight_bytes(arch: ArchConfig, dtype: torch.dtype, policy: ProductPolicy) -> int:
+    """Bytes of a model's weights in the forms the policy's methods keep (quantized
+    codes included), read off the model built on the meta device: nothing allocated."""
+    with torch.device("meta"):
+        model = resolve_model_class(arch.architecture)(arch, 1)
+    linear_bytes = linear_params = 0
+    for name, layer in model.named_modules():
+        if isinstance(layer, Linear):
+            linear_bytes += policy.planned_weight_bytes(name, layer, dtype)
+            linear_params += layer.out_features * layer.in_features
+    return (arch.num_parameters - linear_params) * dtype.itemsize + linear_bytes
+
+
 def plan_memory(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype, context: int,
                 concurrency: int, device_memory: int, proposer: ProposerFootprint | None = None,
-                repacks_weights: bool = False) -> MemoryPlan:
+                repacks_weights: bool = False, policy: ProductPolicy | None = None
+                ) -> MemoryPlan:
     """Weights + KV for `concurrency` sequences of `context` tokens + activations; a
-    speculative proposer's model and KV pool included."""
+    speculative proposer's model and KV pool included. With a product policy, the
+    target's weights are counted in the forms its methods keep (quantized or packed)."""
     if context < 1 or concurrency < 1:
         raise ValueError(f"context and concurrency must be >= 1, got {context}, {concurrency}")
     cache = config.cache
@@ -187,14 +222,19 @@ def plan_memory(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype, cont
     kv = KVPlan(num_blocks, cache.block_size, per_block + proposer_per_block, context,
                 cache.kv_cache_dtype, proposer_per_block)
     params = arch.num_parameters
-    weights = model_weight_bytes(arch, params, dtype, repacks_weights)
+    if policy is not None:
+        repacks_weights = policy.repacks_weights
+        weights = planned_weight_bytes(arch, dtype, policy)
+    else:
+        weights = model_weight_bytes(arch, params, dtype, repacks_weights)
     if proposer is not None:
         params += proposer.num_parameters
         weights += model_weight_bytes(proposer.arch, proposer.num_parameters, dtype,
                                       repacks_weights and proposer.has_lm_head)
     acts = activation_bytes(arch, dtype, context, concurrency,
                             config.scheduler.max_num_batched_tokens, cache.block_size)
-    return MemoryPlan(params, weights, kv, acts, device_memory, context, concurrency, dtype)
+    return MemoryPlan(params, weights, kv, acts, device_memory, context, concurrency, dtype,
+                      policy.name if policy is not None else "")
 
 
 def plan_deployment_memory(config: EngineConfig, context: int, concurrency: int,
@@ -204,8 +244,8 @@ def plan_deployment_memory(config: EngineConfig, context: int, concurrency: int,
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     arch = read_config(config.model.model)
-    policy = product_policy(config.model.cpu_blas, device, dtype)
+    policy = target_products(config, product_policy(config.model.cpu_blas, device, dtype),
+                             dtype)
     proposer = proposer_footprint(proposer_context(config, arch, device, dtype))
     return plan_memory(config, arch, dtype, context, concurrency,
-                       device_memory or available_memory(device), proposer,
-                       policy.repacks_weights)
+                       device_memory or available_memory(device), proposer, policy=policy)

@@ -28,7 +28,8 @@ from tokenmill.model.loader import load_model, resolve_device, resolve_dtype
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.sampling import StepSampler
 from tokenmill.speculative.factory import build_proposer, proposer_context, proposer_footprint
-from tokenmill.worker.memory import KVPlan, plan_kv_blocks
+from tokenmill.worker.calibration import calibrate
+from tokenmill.worker.memory import KVPlan, plan_kv_blocks, target_products
 
 logger = logging.getLogger(__name__)
 
@@ -70,12 +71,16 @@ class Worker:
         threads = mcfg.num_threads or max(1, torch.get_num_threads() // self.group.size)
         torch.set_num_threads(threads)
         torch.manual_seed(mcfg.seed)
-        self.products = product_policy(mcfg.cpu_blas, device, resolve_dtype(mcfg.dtype, device))
+        dtype = resolve_dtype(mcfg.dtype, device)
+        # Proposers keep the base products: weight quantization applies to the target.
+        self.base_products = product_policy(mcfg.cpu_blas, device, dtype)
+        self.products = target_products(config, self.base_products, dtype)
         self.products.configure_threads(threads)
         loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
                             progress=progress and self.group.rank == 0, group=self.group,
                             select_linear=tensor_parallel_selector(self.products.selector,
                                                                    self.group))
+        calibrate(loaded.model, config)  # activation-aware quantization, when configured
         self.arch, self.device, self.dtype = loaded.arch, loaded.device, loaded.dtype
         self.generation_config = loaded.generation_config
         self.max_model_len = resolve_max_model_len(config, loaded.arch)
@@ -91,7 +96,7 @@ class Worker:
         self.sampler = StepSampler(loaded.model, seed=mcfg.seed)
         if context is not None:
             context.target, context.num_blocks = loaded, self.kv_plan.num_blocks
-            context.select_linear, context.progress = self.products.selector, progress
+            context.select_linear, context.progress = self.base_products.selector, progress
         self.proposer = build_proposer(context)
         # Distributions the last proposals' sampled drafts were drawn from, by request.
         self._draft_probs: dict[str, torch.Tensor] = {}

@@ -1,0 +1,242 @@
+// Weight-only quantized products on the CPU: y = x W^T + b with W stored as int8 or
+// 4-bit codes and float32 scales (and offsets) per group of input columns.
+//
+// Layout (tokenmill/quant/packing.py writes it): output channels in blocks of 16 lanes;
+// for block b, column k holds the 16 lanes' codes side by side, so a product reads
+// each block as one contiguous stream and a vector of 16 lanes needs no shuffles:
+//   int8  codes [blocks][K][16]      int8, w = code * scale
+//   int4  codes [blocks][K / 2][16]  uint8, low nibble column 2c, high nibble 2c + 1,
+//                                    w = code * scale + offset
+//   scales, offsets [blocks][K / group][16] float32
+// Activations stay float32 (W8A32 / W4A32): codes are widened and scaled in
+// registers, so the result equals a product with the dequantized float32 weight up to
+// the order of the sums. GCC vector types keep it portable: 16-lane vectors become
+// one AVX-512 register, two AVX2 registers or four SSE ones, whatever -march gives.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int kLanes = 16;
+typedef float vf __attribute__((vector_size(64)));
+
+#if defined(__AVX512F__)
+constexpr int kRowTile = 8;  // 32 vector registers: 8 accumulators and the rest
+#else
+constexpr int kRowTile = 4;  // 16 registers of half a vector each
+#endif
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+
+// Widening 16 codes to 16 floats. GCC turns __builtin_convertvector from bytes into
+// scalar code on AVX2 (and from int8 even on AVX-512), so the widening is spelled
+// out per instruction set; only the float arithmetic is left to the vector types.
+#if defined(__AVX512F__)
+inline vf bytes_to_float(__m128i b, bool is_signed) {
+  const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  return (vf)_mm512_cvtepi32_ps(wide);
+}
+#elif defined(__AVX2__)
+inline vf bytes_to_float(__m128i b, bool is_signed) {
+  const __m128i upper = _mm_srli_si128(b, 8);
+  union { __m256 half[2]; vf whole; } v;
+  v.half[0] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+  v.half[1] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(upper)
+                                           : _mm256_cvtepu8_epi32(upper));
+  return v.whole;
+}
+#endif
+
+inline vf widen_int8(const int8_t* p) {
+#if defined(__AVX2__)
+  return bytes_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), true);
+#else
+  vf v;
+  for (int i = 0; i < kLanes; ++i) v[i] = p[i];
+  return v;
+#endif
+}
+
+inline void widen_int4(const uint8_t* p, vf& low, vf& high) {
+#if defined(__AVX2__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m128i mask = _mm_set1_epi8(15);
+  low = bytes_to_float(_mm_and_si128(b, mask), false);
+  high = bytes_to_float(_mm_and_si128(_mm_srli_epi16(b, 4), mask), false);
+#else
+  for (int i = 0; i < kLanes; ++i) {
+    low[i] = p[i] & 15;
+    high[i] = p[i] >> 4;
+  }
+#endif
+}
+
+struct Problem {
+  const float* x;  // [M][K]
+  const uint8_t* codes;
+  const float* scales;
+  const float* offsets;  // int4 only
+  const float* bias;     // [N] or null
+  float* out;            // [M][N]
+  int64_t M, N, K, group;
+  const float* group_sums;  // one row: x summed over each group (int4 only)
+};
+
+inline int64_t lanes_of(const Problem& p, int64_t b) {
+  return std::min<int64_t>(kLanes, p.N - b * kLanes);
+}
+
+inline vf bias_of(const Problem& p, int64_t b) {
+  float tmp[kLanes] = {};
+  if (p.bias) std::memcpy(tmp, p.bias + b * kLanes, lanes_of(p, b) * sizeof(float));
+  return load(tmp);
+}
+
+inline void store_row(const Problem& p, int64_t b, int64_t m, const vf& v) {
+  float tmp[kLanes];
+  std::memcpy(tmp, &v, sizeof tmp);
+  std::memcpy(p.out + m * p.N + b * kLanes, tmp, lanes_of(p, b) * sizeof(float));
+}
+
+// One row (decode at batch 1): the product streams the weight once and is bound by
+// how fast codes are widened, so each group's codes are summed unscaled into four
+// independent accumulators (an FMA's latency spans four issues) and scaled once at
+// the group's end: int4 adds offset * (the group's sum of x) there.
+template <bool INT4>
+void one_row(const Problem& p, int64_t b) {
+  vf acc = bias_of(p, b);
+  const int64_t groups = p.K / p.group;
+  const float* x = p.x;
+  for (int64_t g = 0; g < groups; ++g) {
+    const vf scale = load(p.scales + (b * groups + g) * kLanes);
+    const int64_t k0 = g * p.group, k1 = k0 + p.group;
+    vf a = {}, c = {}, d = {}, e = {};
+    int64_t k = k0;
+    if constexpr (INT4) {
+      const uint8_t* codes = p.codes + (b * (p.K / 2) + k0 / 2) * kLanes;
+      for (; k + 4 <= k1; k += 4, codes += 2 * kLanes) {
+        vf l0, h0, l1, h1;
+        widen_int4(codes, l0, h0);
+        widen_int4(codes + kLanes, l1, h1);
+        a += x[k] * l0;
+        c += x[k + 1] * h0;
+        d += x[k + 2] * l1;
+        e += x[k + 3] * h1;
+      }
+      for (; k < k1; k += 2, codes += kLanes) {
+        vf l0, h0;
+        widen_int4(codes, l0, h0);
+        a += x[k] * l0;
+        c += x[k + 1] * h0;
+      }
+      const vf offset = load(p.offsets + (b * groups + g) * kLanes);
+      acc += ((a + c) + (d + e)) * scale + offset * p.group_sums[g];
+    } else {
+      const int8_t* codes = reinterpret_cast<const int8_t*>(p.codes) + (b * p.K + k0) * kLanes;
+      for (; k + 4 <= k1; k += 4, codes += 4 * kLanes) {
+        a += x[k] * widen_int8(codes);
+        c += x[k + 1] * widen_int8(codes + kLanes);
+        d += x[k + 2] * widen_int8(codes + 2 * kLanes);
+        e += x[k + 3] * widen_int8(codes + 3 * kLanes);
+      }
+      for (; k < k1; ++k, codes += kLanes) a += x[k] * widen_int8(codes);
+      acc += ((a + c) + (d + e)) * scale;
+    }
+  }
+  store_row(p, b, 0, acc);
+}
+
+// Rows [m0, m0 + MR) of output block b: each column's codes are dequantized once in
+// registers and used by all MR rows.
+template <int MR, bool INT4>
+void tile(const Problem& p, int64_t b, int64_t m0) {
+  vf acc[MR];
+  const vf init = bias_of(p, b);
+  for (int m = 0; m < MR; ++m) acc[m] = init;
+  const int64_t groups = p.K / p.group;
+  const float* x = p.x + m0 * p.K;
+  for (int64_t g = 0; g < groups; ++g) {
+    const vf scale = load(p.scales + (b * groups + g) * kLanes);
+    const int64_t k0 = g * p.group, k1 = k0 + p.group;
+    if constexpr (INT4) {
+      const vf offset = load(p.offsets + (b * groups + g) * kLanes);
+      const uint8_t* codes = p.codes + (b * (p.K / 2) + k0 / 2) * kLanes;
+      for (int64_t k = k0; k < k1; k += 2, codes += kLanes) {
+        vf low, high;
+        widen_int4(codes, low, high);
+        const vf w0 = low * scale + offset, w1 = high * scale + offset;
+        for (int m = 0; m < MR; ++m) {
+          acc[m] += x[m * p.K + k] * w0;
+          acc[m] += x[m * p.K + k + 1] * w1;
+        }
+      }
+    } else {
+      const int8_t* codes = reinterpret_cast<const int8_t*>(p.codes) + (b * p.K + k0) * kLanes;
+      for (int64_t k = k0; k < k1; ++k, codes += kLanes) {
+        const vf w = widen_int8(codes) * scale;
+        for (int m = 0; m < MR; ++m) acc[m] += x[m * p.K + k] * w;
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m) store_row(p, b, m0 + m, acc[m]);
+}
+
+template <bool INT4, int MR>
+void rows_tail(const Problem& p, int64_t b, int64_t m0, int64_t rows) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return tile<MR, INT4>(p, b, m0);
+    rows_tail<INT4, MR - 1>(p, b, m0, rows);
+  }
+}
+
+template <bool INT4>
+void run(const Problem& p) {
+  const int64_t blocks = (p.N + kLanes - 1) / kLanes;
+  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      if (p.M == 1) {
+        one_row<INT4>(p, b);
+        continue;
+      }
+      int64_t m0 = 0;
+      for (; m0 + kRowTile <= p.M; m0 += kRowTile) tile<kRowTile, INT4>(p, b, m0);
+      if (m0 < p.M) rows_tail<INT4, kRowTile - 1>(p, b, m0, p.M - m0);
+    }
+  });
+}
+
+torch::Tensor quantized_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales,
+                               c10::optional<torch::Tensor> offsets,
+                               c10::optional<torch::Tensor> bias, int64_t out_features,
+                               int64_t group_size, bool int4) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
+  x = x.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % group_size == 0 && (!int4 || group_size % 2 == 0), "bad group size");
+  auto out = torch::empty({M, out_features}, x.options());
+  Problem p{x.data_ptr<float>(), static_cast<const uint8_t*>(codes.data_ptr()), scales.data_ptr<float>(),
+            int4 ? offsets->data_ptr<float>() : nullptr,
+            bias && bias->defined() ? bias->data_ptr<float>() : nullptr,
+            out.data_ptr<float>(), M, out_features, K, group_size, nullptr};
+  torch::Tensor group_sums;
+  if (int4 && M == 1) {
+    group_sums = x.view({K / group_size, group_size}).sum(1);
+    p.group_sums = group_sums.data_ptr<float>();
+  }
+  if (int4) run<true>(p); else run<false>(p);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantized_linear", &quantized_linear,
+        "x [M, K] float32 times a packed int8 / int4 weight (see qlinear.cpp)");
+}

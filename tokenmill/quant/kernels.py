@@ -1,0 +1,201 @@
+"""The products of a packed quantized weight, and the kernel that serves each row count.
+
+Two kernels compute x [rows, in] @ W^T + b for a PackedWeight:
+
+    native      csrc/qlinear.cpp, compiled for this CPU (-march=native) at first use
+                into the cache directory: codes are widened and scaled in registers,
+                activations stay float32. One row sums each group's codes unscaled in
+                four accumulators and scales per group; more rows dequantize each
+                column once and share it between up to 8 (AVX-512) or 4 rows.
+    dequantize  the float32 weight rebuilt in torch for the call, then torch's GEMM:
+                the fallback where nothing can be compiled, and a candidate for long
+                prefills, where the product's arithmetic dwarfs rebuilding the weight.
+
+Which kernel serves which row count is measured on the machine (`KernelTable`,
+cached per CPU, torch version and thread count), not assumed from one host.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from tokenmill.quant.formats import QuantizedWeight, quantize_int4_rtn, quantize_int8
+from tokenmill.quant.packing import LANES, PackedWeight, pack
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "qlinear.cpp"
+CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+KERNELS = ("native", "dequantize")
+# Row-count classes a kernel is chosen for: a product of n rows takes the first class
+# whose bound is >= n (decode at batch 1, small and large decode batches, prefill).
+ROW_CLASSES = (1, 8, 32, 256)
+
+
+def _cpu_signature() -> str:
+    """The CPU model and instruction-set flags (-march=native builds differ by them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags")
+    return "|".join(next((ln for ln in lines if ln.startswith(w)), "") for w in wanted)
+
+
+def _build_key() -> str:
+    text = SOURCE.read_text() + torch.__version__ + _cpu_signature() + platform.python_version()
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def native_library():
+    """The compiled kernels (built once per CPU and torch version), or None where they
+    cannot be built (no compiler, no headers): the dequantize kernel serves then."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        key = _build_key()
+        build_dir = CACHE / "kernels" / f"qlinear-{key}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (the soname
+        # libgomp.so.1 resolves to the copy torch has already loaded).
+        return load(name=f"tokenmill_qlinear_{key}", sources=[str(SOURCE)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                    verbose=False)
+    except Exception as exc:  # noqa: BLE001 (any build failure means: fall back)
+        logger.warning("quantized CPU kernels could not be compiled (%s); quantized "
+                       "products rebuild the float weight on every call (slow)", exc)
+        return None
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.float32:
+        raise ValueError(f"quantized products take float32 activations, not {rows.dtype}")
+    return rows.contiguous()
+
+
+def native_linear(x: torch.Tensor, weight: PackedWeight,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    library = native_library()
+    if library is None:
+        return dequantize_linear(x, weight, bias)
+    return library.quantized_linear(_rows(x), weight.codes, weight.scales, weight.offsets,
+                                    bias, weight.out_features, weight.group_size,
+                                    weight.bits == 4)
+
+
+def dequantized_transposed(weight: PackedWeight) -> torch.Tensor:
+    """The float32 weight as [in, out] (the packed blocks need one transpose to it)."""
+    codes = weight.codes
+    if weight.bits == 4:
+        codes = torch.stack((codes & 15, codes >> 4), dim=2).reshape(
+            codes.shape[0], -1, LANES)
+    blocks, in_features = codes.shape[0], codes.shape[1]
+    values = codes.float().reshape(blocks, -1, weight.group_size, LANES)
+    values = values * weight.scales[:, :, None, :]
+    if weight.offsets is not None:
+        values = values + weight.offsets[:, :, None, :]
+    values = values.reshape(blocks, in_features, LANES).permute(1, 0, 2)
+    return values.reshape(in_features, blocks * LANES)[:, :weight.out_features]
+
+
+def dequantize_linear(x: torch.Tensor, weight: PackedWeight,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    out = _rows(x) @ dequantized_transposed(weight)
+    return out + bias if bias is not None else out
+
+
+_KERNEL_FUNCTIONS = {"native": native_linear, "dequantize": dequantize_linear}
+
+
+class KernelTable:
+    """Which kernel serves a product of n rows (one choice per row class)."""
+
+    def __init__(self, choices: dict[int, str]) -> None:
+        unknown = set(choices.values()) - set(KERNELS)
+        if unknown or set(choices) != set(ROW_CLASSES):
+            raise ValueError(f"a kernel table maps {ROW_CLASSES} to {KERNELS}, got {choices}")
+        self.choices = dict(sorted(choices.items()))
+
+    @classmethod
+    def uniform(cls, kernel: str) -> KernelTable:
+        return cls(dict.fromkeys(ROW_CLASSES, kernel))
+
+    def kernel_for(self, rows: int) -> str:
+        for bound, kernel in self.choices.items():
+            if rows <= bound:
+                return kernel
+        return self.choices[ROW_CLASSES[-1]]
+
+    def linear(self, x: torch.Tensor, weight: PackedWeight,
+               bias: torch.Tensor | None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        out = _KERNEL_FUNCTIONS[self.kernel_for(rows)](x, weight, bias)
+        return out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def _median_seconds(fn, repeats: int = 5) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def sample_weight(bits: int, out_features: int = 2048, in_features: int = 1024,
+                  group_size: int = 128) -> PackedWeight:
+    """A seeded random weight in a decoder's proportions, quantized and packed."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_features, in_features, generator=generator) * 0.02
+    quantized: QuantizedWeight = (quantize_int8(weight) if bits == 8
+                                  else quantize_int4_rtn(weight, group_size))
+    return pack(quantized)
+
+
+@torch.inference_mode()
+def measure_kernel_table(bits: int) -> KernelTable:
+    """Time both kernels at each row class's bound; the faster serves the class."""
+    weight = sample_weight(bits)
+    generator = torch.Generator().manual_seed(1)
+    choices = {}
+    for rows in ROW_CLASSES:
+        x = torch.randn(rows, weight.in_features, generator=generator)
+        times = {kernel: _median_seconds(
+                     lambda k=kernel, x=x: _KERNEL_FUNCTIONS[k](x, weight, None))
+                 for kernel in KERNELS}
+        choices[rows] = min(times, key=times.get)
+    return KernelTable(choices)
+
+
+def kernel_table(bits: int, threads: int | None = None) -> KernelTable:
+    """The measured table for this machine, from the cache when it was measured before."""
+    if native_library() is None:
+        return KernelTable.uniform("dequantize")
+    threads = threads or torch.get_num_threads()
+    path = CACHE / "kernels" / f"table-{_build_key()}-int{bits}-{threads}t.json"
+    if path.is_file():
+        return KernelTable({int(k): v for k, v in json.loads(path.read_text()).items()})
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        table = measure_kernel_table(bits)
+    finally:
+        torch.set_num_threads(before)
+    path.write_text(json.dumps(table.choices))
+    logger.info("int%d kernels measured for rows %s: %s", bits, ROW_CLASSES,
+                list(table.choices.values()))
+    return table

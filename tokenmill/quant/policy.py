@@ -1,0 +1,99 @@
+"""The product policy with weight quantization: quantizable layers that no exclusion
+pattern names take the quantized method, every other layer the base policy's (oneDNN,
+NumPy or torch), and everything a step needs around its products stays the base's."""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AbstractContextManager
+from fnmatch import fnmatchcase
+
+import torch
+
+from tokenmill.config import QuantConfig
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.linear_method import LinearMethod
+from tokenmill.layers.products import LINEAR_METHODS, ProductPolicy, register_linear_method
+from tokenmill.quant.methods import AwqLinearMethod, QuantizedLinearMethod, QuantScheme
+
+logger = logging.getLogger(__name__)
+
+
+def scheme_for(config: QuantConfig) -> QuantScheme:
+    bits = 8 if config.quantization == "int8" else 4
+    return QuantScheme(bits, config.group_size, config.quantization_method)
+
+
+class WrappedProducts(ProductPolicy):
+    """A base policy with some layers given another method (`override`): everything a
+    step needs around its products (threads, step context, row padding) stays the base's."""
+
+    def __init__(self, base: ProductPolicy, name: str) -> None:
+        super().__init__(base.device)
+        self.base = base
+        self.name = f"{base.name}, {name}"
+        self.repacks_weights = base.repacks_weights
+
+    def override(self, prefix: str, layer: Linear) -> QuantizedLinearMethod | None:
+        raise NotImplementedError
+
+    def select(self, prefix: str, layer: Linear) -> LinearMethod:
+        return self.override(prefix, layer) or self.base.select(prefix, layer)
+
+    def planned_weight_bytes(self, prefix: str, layer: Linear, dtype: torch.dtype) -> int:
+        method = self.override(prefix, layer)
+        if method is not None:
+            return method.planned_weight_bytes(layer)
+        return self.base.planned_weight_bytes(prefix, layer, dtype)
+
+    def configure_threads(self, num_threads: int) -> None:
+        self.base.configure_threads(num_threads)
+
+    def step_context(self) -> AbstractContextManager[None]:
+        return self.base.step_context()
+
+    def padded_rows(self, num_rows: int) -> int:
+        return self.base.padded_rows(num_rows)
+
+
+class QuantizedProducts(WrappedProducts):
+    def __init__(self, base: ProductPolicy, method: QuantizedLinearMethod,
+                 exclude: tuple[str, ...] = ()) -> None:
+        super().__init__(base, method.name)
+        self.method = method
+        self.exclude = exclude
+        # Input widths the scheme does not fit (logged once each).
+        self._unfit: set[int] = set()
+
+    def override(self, prefix: str, layer: Linear) -> QuantizedLinearMethod | None:
+        if not layer.quantizable or any(fnmatchcase(prefix, p) for p in self.exclude):
+            return None
+        if not self.method.scheme.fits(layer.in_features):
+            if layer.in_features not in self._unfit:
+                self._unfit.add(layer.in_features)
+                logger.warning("layers with %d input columns (%s, ...) keep float weights: "
+                               "%s does not fit them", layer.in_features, prefix,
+                               self.method.name)
+            return None
+        return self.method
+
+
+def quantized_products(config: QuantConfig, base: ProductPolicy,
+                       dtype: torch.dtype) -> ProductPolicy:
+    """`base` itself when quantization is off; otherwise the quantizing policy.
+
+    Raises ValueError where the kernels do not apply (they take float32 activations
+    on the CPU)."""
+    if config.quantization == "none":
+        return base
+    if base.device.type != "cpu" or dtype != torch.float32:
+        raise ValueError(f"quantization: {config.quantization!r} runs float32 models on "
+                         f"the CPU, not {dtype} on {base.device.type}")
+    scheme = scheme_for(config)
+    # Methods are stateless: engines with the same scheme share the registered one.
+    method = LINEAR_METHODS.get(scheme.name)
+    if method is None:
+        method_class = AwqLinearMethod if scheme.algorithm == "awq" else QuantizedLinearMethod
+        method = method_class(scheme)
+        register_linear_method(method)
+    return QuantizedProducts(base, method, config.exclude_patterns)
