@@ -26,6 +26,8 @@ def _build_parser() -> argparse.ArgumentParser:
     tokenizer.add_argument("--out", type=Path, required=True, help="directory to write it to")
     tokenizer.add_argument("--vocab-size", type=int, default=8192)
     tokenizer.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
+    tokenizer.add_argument("--kind", choices=("code", "reasoning"), default="code",
+                           help="code: BPE on the stdlib; reasoning: the pyreason chat tokenizer")
 
     model = commands.add_parser("model", help="train a model from random initialisation")
     model.add_argument("--preset", choices=sorted(PRESETS), required=True)
@@ -75,16 +77,31 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _run_tokenizer(args: argparse.Namespace) -> int:
     from tokenmill.train.corpus import training_texts
+    from tokenmill.train.reasoning_data import build_reasoning_tokenizer
     from tokenmill.train.tokenizer import save_tokenizer, train_bpe
 
-    tokenizer = train_bpe(training_texts(args.corpus_root), vocab_size=args.vocab_size)
-    save_tokenizer(tokenizer, args.out)
+    if args.kind == "reasoning":
+        tokenizer = build_reasoning_tokenizer(args.out)
+    else:
+        tokenizer = train_bpe(training_texts(args.corpus_root), vocab_size=args.vocab_size)
+        save_tokenizer(tokenizer, args.out)
     print(f"wrote tokenizer with {tokenizer.get_vocab_size()} tokens to {args.out}")
     return 0
 
 
-def _run_model(args: argparse.Namespace) -> int:
+def _corpus(preset, corpus_root: Path | None) -> tuple[list[str], list[str]]:
+    """(training texts, held-out texts): generated items for a reasoning preset, else
+    the stdlib's files split by path."""
     from tokenmill.train.corpus import read_sources, split_sources
+    from tokenmill.train.reasoning_data import reasoning_corpus
+
+    if preset.extra.get("data") == "reasoning":
+        return reasoning_corpus(preset.extra, preset.schedule.seed)
+    train, held_out = split_sources(read_sources(corpus_root))
+    return [source.text for source in train], [source.text for source in held_out]
+
+
+def _run_model(args: argparse.Namespace) -> int:
     from tokenmill.train.presets import get_preset
     from tokenmill.train.tokenizer import load_tokenizer
     from tokenmill.train.trainer import train_model
@@ -94,13 +111,13 @@ def _run_model(args: argparse.Namespace) -> int:
     preset = preset.with_schedule(
         peak_lr=args.peak_lr, warmup_steps=args.warmup_steps, seed=args.seed
     )
-    train, held_out = split_sources(read_sources(args.corpus_root))
+    train, held_out = _corpus(preset, args.corpus_root)
     log = train_model(
         preset,
         args.tokenizer,
         args.out,
-        [source.text for source in train],
-        [source.text for source in held_out],
+        train,
+        held_out,
         show_progress=not args.no_progress,
         max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
         init_from=args.init_from,
