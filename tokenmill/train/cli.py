@@ -4,6 +4,8 @@ python -m tokenmill.train tokenizer --out models/pycoder
 python -m tokenmill.train model --preset pycoder --tokenizer models/pycoder --out models/pycoder
 python -m tokenmill.train card --model models/pycoder
 python -m tokenmill.train eagle --target models/pycoder --out models/pycoder/eagle
+python -m tokenmill.train tokenizer --kind reasoning --out models/pyreason
+python -m tokenmill.train sft --model models/pyreason --out /tmp/lp --length-penalty 0.05
 """
 
 from __future__ import annotations
@@ -56,6 +58,17 @@ def _build_parser() -> argparse.ArgumentParser:
     card = commands.add_parser("card", help="measure a trained model and write its README.md")
     card.add_argument("--model", type=Path, required=True, help="trained model directory")
     card.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
+
+    sft = commands.add_parser(
+        "sft", help="fine-tune a reasoning model with a length penalty on its thinking")
+    sft.add_argument("--model", type=Path, required=True, help="trained reasoning model")
+    sft.add_argument("--out", type=Path, required=True, help="model directory to write")
+    sft.add_argument("--length-penalty", type=float, default=0.0,
+                     help="alpha per thinking token (0: plain SFT, the control)")
+    sft.add_argument("--steps", type=int, default=400)
+    sft.add_argument("--max-minutes", type=float, default=None)
+    sft.add_argument("--eval-per-level", type=int, default=50,
+                     help="held-out items per level scored after fine-tuning (0: none)")
 
     eagle = commands.add_parser("eagle", help="train an EAGLE-1 draft head for a trained model")
     eagle.add_argument("--target", type=Path, required=True, help="trained model directory")
@@ -131,9 +144,31 @@ def _run_model(args: argparse.Namespace) -> int:
 
 def _run_card(args: argparse.Namespace) -> int:
     from tokenmill.train.card import write_model_card
+    from tokenmill.train.presets import get_preset
+    from tokenmill.train.reasoning_card import write_reasoning_card
 
-    path = write_model_card(args.model, args.corpus_root)
+    preset = json.loads((args.model / "train_log.json").read_text())["preset"]
+    if preset in PRESETS and get_preset(preset).extra.get("data") == "reasoning":
+        path = write_reasoning_card(args.model)
+    else:
+        path = write_model_card(args.model, args.corpus_root)
     print(f"wrote {path}")
+    return 0
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    from tokenmill.llm import LLM
+    from tokenmill.train.reasoning_eval import eval_items, greedy_params, score, summarize
+    from tokenmill.train.sft import finetune
+
+    log = finetune(args.model, args.out, args.length_penalty, args.steps,
+                   None if args.max_minutes is None else args.max_minutes * 60)
+    if args.eval_per_level:
+        llm = LLM(str(args.out), progress=False, num_threads=2, max_num_seqs=256)
+        results = score(llm, eval_items(args.eval_per_level), greedy_params())
+        log["eval"] = [row.as_dict() for row in summarize(results)]
+    (args.out / "sft_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in log.items() if k != "loss"}, indent=1))
     return 0
 
 
@@ -166,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer": _run_tokenizer,
         "model": _run_model,
         "card": _run_card,
+        "sft": _run_sft,
         "eagle": _run_eagle,
     }
     return runners[args.command](args)
