@@ -130,7 +130,7 @@ def plot(rows: list[dict], budgets, path: Path) -> None:
 
 def check_speculation(model: str, items, budgets, bridges, reference: dict) -> str:
     """The same sweep with n-gram speculation: identical tokens, KV pool whole."""
-    llm = LLM(model, progress=False, num_threads=2, speculative_method="ngram",
+    llm = LLM(model, progress=False, num_threads=2, max_num_seqs=256, speculative_method="ngram",
               spec_adaptive=False)
     runs = sweep(llm, items, budgets, bridges, repeats=1)
     differing = [key for key, (_, tokens, _) in runs.items() if tokens != reference[key][1]]
@@ -159,7 +159,7 @@ def main() -> None:
     budgets = [None if b == "none" else int(b) for b in args.budgets.split(",")]
     bridges = args.bridges.split(",")
     items = eval_items(args.per_level)
-    llm = LLM(args.model, progress=False, num_threads=args.threads)
+    llm = LLM(args.model, progress=False, num_threads=args.threads, max_num_seqs=256)
     ask(llm, items[:8], greedy_params())  # warm-up
     runs = sweep(llm, items, budgets, bridges, args.repeats)
     rows = table(runs, budgets, bridges)

@@ -57,7 +57,11 @@ class InputProcessor:
         bridge = params.thinking_bridge
         if bridge is None:
             bridge = self.reasoning.bridge
-        bridge_ids = tuple(self.encode(bridge, add_special_tokens=False)) if bridge else ()
+        bridge_ids: tuple[int, ...] = ()
+        if bridge:
+            check_text(bridge, "thinking_bridge")
+            with self._lock:
+                bridge_ids = tuple(self.tokenizer(bridge, add_special_tokens=False)["input_ids"])
         return ThinkingTokens(self._markers.start_ids, self._markers.end_ids,
                               prompt_opens_thinking(prompt_ids, self._markers), bridge_ids)
 

@@ -32,7 +32,7 @@ SAMPLE_LEVELS = (1, 3, 6)
 
 def measure_reasoning(model_dir: Path, per_level: int = CARD_ITEMS_PER_LEVEL) -> dict:
     """Greedy answers to per_level held-out items of each level, unlimited thinking."""
-    llm = LLM(str(model_dir), progress=False, num_threads=2)
+    llm = LLM(str(model_dir), progress=False, num_threads=2, max_num_seqs=256)
     items = eval_items(per_level)
     results = score(llm, items, greedy_params())
     samples = []
