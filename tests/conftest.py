@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.models import build_model, build_tokenizer
+from tests.models import build_model, build_thinking_tokenizer, build_tokenizer
 from tokenmill.model.loader import load_model
 from tokenmill.speculative.eagle.checkpoint import save_eagle_head
 from tokenmill.speculative.eagle.head import EagleHead, head_arch
@@ -36,6 +37,20 @@ def model_factory(tmp_path_factory, tokenizer_dir):
 @pytest.fixture(scope="session")
 def llama_dir(model_factory) -> Path:
     return model_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def thinking_model_dir(tmp_path_factory) -> Path:
+    """The tiny llama with a tokenizer that has `<think>` / `</think>` (as text tokens)
+    and a generation_config.json that declares them: a (random) reasoning model."""
+    tokenizer_path = tmp_path_factory.mktemp("thinking_tokenizer")
+    build_thinking_tokenizer(tokenizer_path)
+    path = build_model("llama", tmp_path_factory.mktemp("thinking_llama"), tokenizer_path)
+    config_path = path / "generation_config.json"
+    config = json.loads(config_path.read_text())
+    config["reasoning"] = {"start": "<think>", "end": "</think>"}
+    config_path.write_text(json.dumps(config))
+    return path
 
 
 # Large enough that the random head's logits are far from ties.

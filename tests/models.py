@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (
     AutoModelForCausalLM,
     LlamaConfig,
@@ -43,6 +43,29 @@ def build_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
                                    eos_token="<|endoftext|>", pad_token="<|endoftext|>",
                                    clean_up_tokenization_spaces=False)
     fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out_dir)
+    return fast
+
+
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def build_thinking_tokenizer(out_dir: Path) -> PreTrainedTokenizerFast:
+    """The test tokenizer's twin with `<think>` and `</think>` as its last two tokens
+    (added, not special: they decode as text, as Qwen3's do), same vocabulary size."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE - 2, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(TOKENIZER_CORPUS, trainer)
+    tok.add_tokens([AddedToken(THINK_START, normalized=False, special=False),
+                    AddedToken(THINK_END, normalized=False, special=False)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                   eos_token="<|endoftext|>", pad_token="<|endoftext|>",
+                                   clean_up_tokenization_spaces=False)
+    # DeepSeek-R1's way: the generation prompt opens the thinking.
+    fast.chat_template = CHAT_TEMPLATE.replace("<|assistant|>", "<|assistant|><think>")
     fast.save_pretrained(out_dir)
     return fast
 

@@ -37,3 +37,53 @@ def test_default_model_is_pycoder():
     from tokenmill.config import DEFAULT_MODEL_DIR
 
     assert DEFAULT_MODEL_DIR == MODELS / "pycoder"
+
+
+PYREASON = MODELS / "pyreason"
+
+
+@pytest.fixture(scope="module")
+def pyreason() -> LLM:
+    if not (PYREASON / "model.safetensors").is_file():
+        pytest.skip("models/pyreason is not trained yet")
+    return LLM(str(PYREASON), progress=False, max_num_seqs=64)
+
+
+def test_pyreason_matches_transformers_greedy(pyreason):
+    from tokenmill.train.reasoning_eval import eval_items
+
+    tokenizer = AutoTokenizer.from_pretrained(PYREASON)
+    hf = AutoModelForCausalLM.from_pretrained(PYREASON, dtype=torch.float32).eval()
+    for item in eval_items(1)[::2]:
+        ids = pyreason.apply_chat_template([{"role": "user", "content": item.program}])
+        assert ids == tokenizer.apply_chat_template(
+            [{"role": "user", "content": item.program}], add_generation_prompt=True,
+            tokenize=True, return_dict=False)
+        ours = pyreason.generate([ids], SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+        reference = hf.generate(torch.tensor([ids]), do_sample=False,
+                                max_new_tokens=NEW_TOKENS)[0, len(ids):].tolist()
+        assert ours[0].outputs[0].token_ids == reference[:len(ours[0].outputs[0].token_ids)]
+
+
+def test_pyreason_reasons_and_a_budget_ends_its_thinking_at_the_budget(pyreason):
+    from tokenmill.train.reasoning_eval import eval_items, greedy_params, score, summarize
+
+    items = eval_items(8)
+    free = {row.level: row for row in summarize(score(pyreason, items, greedy_params()))}
+    assert free[1].accuracy >= 0.75 and free[None].accuracy >= 0.5
+    assert free[6].mean_thinking > 2 * free[1].mean_thinking
+    starved = {row.level: row for row in summarize(
+        score(pyreason, items, greedy_params(thinking_budget=0)))}
+    assert starved[None].mean_thinking == 0
+    # Without thinking the model guesses: the hard levels lose most of their accuracy.
+    hard = (4, 5, 6)
+    assert sum(starved[h].accuracy for h in hard) < sum(free[h].accuracy for h in hard) - 0.5
+    start_id, end = pyreason.tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    prompts = [pyreason.apply_chat_template([{"role": "user", "content": i.program}])
+               for i in items if i.level >= 3]
+    for output in pyreason.generate(prompts, greedy_params(thinking_budget=10)):
+        completion = output.outputs[0]
+        start = completion.token_ids.index(start_id)
+        assert completion.token_ids[start + 11] == end
+        assert completion.metrics.num_thinking_tokens == 10
+        assert "</think>" not in completion.content and completion.content.strip()

@@ -22,7 +22,8 @@ from tokenmill.sampling_params import SamplingParams
 SAMPLING_FLAGS = {
     "max_tokens": int, "min_tokens": int, "temperature": float, "top_p": float, "top_k": int,
     "min_p": float, "presence_penalty": float, "frequency_penalty": float,
-    "repetition_penalty": float, "n": int,
+    "repetition_penalty": float, "n": int, "thinking_budget": int, "min_thinking": int,
+    "thinking_bridge": str,
 }
 
 

@@ -115,6 +115,7 @@ class SchedulerConfig:
 
 
 CPU_BLAS = ("auto", "onednn", "numpy", "torch")
+REASONING_PARSERS = ("auto", "none")
 
 
 @dataclass(frozen=True)
@@ -137,6 +138,10 @@ class ModelConfig:
     # torch (its MKL build); auto: onednn for float32 on the CPU (numpy where torch
     # lacks oneDNN), torch otherwise.
     cpu_blas: Literal["auto", "onednn", "numpy", "torch"] = "auto"
+    # auto: split a reasoning model's thinking from its answer and accept thinking
+    # budgets when the model declares thinking markers (tokenmill/reasoning.py); none:
+    # treat its output as plain text.
+    reasoning_parser: Literal["auto", "none"] = "auto"
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
@@ -146,6 +151,8 @@ class ModelConfig:
         if self.num_threads is not None:
             _require(self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
         _require(self.cpu_blas in CPU_BLAS, "cpu_blas", f"one of {CPU_BLAS}", self.cpu_blas)
+        _require(self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
+                 f"one of {REASONING_PARSERS}", self.reasoning_parser)
 
 
 QUANTIZATIONS = ("none", "int8", "int4")

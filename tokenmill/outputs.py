@@ -30,6 +30,8 @@ class RequestMetrics:
     # Speculative decoding: draft tokens verified for this request, and accepted.
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    # A reasoning model's output tokens between its thinking markers (set at the finish).
+    num_thinking_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:
@@ -71,6 +73,10 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None
     cumulative_logprob: float | None = None
     metrics: RequestMetrics | None = None
+    # A reasoning model's text split in two (tokenmill/reasoning.py): the thinking
+    # (None when there was none) and the answer. For other models content is text.
+    reasoning_content: str | None = None
+    content: str | None = None
 
     @property
     def finished(self) -> bool:

@@ -45,6 +45,14 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # token id -> value added to its logit before sampling (OpenAI's logit_bias).
     logit_bias: dict[int, float] | None = None
+    # Reasoning models: most tokens the model may think for (between its markers); at
+    # the budget the engine forces the bridge text and the end marker, so it answers.
+    thinking_budget: int | None = None
+    # Fewest thinking tokens: the end marker is suppressed until there are this many.
+    min_thinking: int = 0
+    # Text forced before the end marker when the budget is reached (None: the model's
+    # declared bridge; "" ends the thinking at once).
+    thinking_bridge: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -88,6 +96,23 @@ class SamplingParams:
                "stop_token_ids", "a list of token ids", self.stop_token_ids)
         if self.logit_bias is not None:
             self._check_logit_bias()
+        self._check_thinking()
+
+    def _check_thinking(self) -> None:
+        def is_count(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_INT32
+
+        if self.thinking_budget is not None:
+            _check(is_count(self.thinking_budget), "thinking_budget",
+                   f"an integer in [0, {MAX_INT32}] or None", self.thinking_budget)
+        _check(is_count(self.min_thinking), "min_thinking", f"an integer in [0, {MAX_INT32}]",
+               self.min_thinking)
+        if self.thinking_budget is not None:
+            _check(self.min_thinking <= self.thinking_budget, "min_thinking",
+                   f"<= thinking_budget ({self.thinking_budget})", self.min_thinking)
+        if self.thinking_bridge is not None:
+            _check(isinstance(self.thinking_bridge, str), "thinking_bridge", "a string or None",
+                   self.thinking_bridge)
 
     def _check_logit_bias(self) -> None:
         _check(isinstance(self.logit_bias, dict), "logit_bias",
@@ -106,3 +131,14 @@ class SamplingParams:
     def uses_penalties(self) -> bool:
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
                 or self.repetition_penalty != 1.0)
+
+    @property
+    def controls_thinking(self) -> bool:
+        """A thinking budget or minimum applies (to a reasoning model's output)."""
+        return self.thinking_budget is not None or self.min_thinking > 0
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether a logits processor reads the request's tokens so far (the penalties,
+        the thinking budget): the engine then sends them with every step."""
+        return self.uses_penalties or self.controls_thinking

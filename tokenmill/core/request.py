@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 
 from tokenmill.outputs import RequestMetrics, TokenLogprob
+from tokenmill.reasoning import ThinkingTokens
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         sample_index: int = 0,
         group_id: str | None = None,
+        thinking: ThinkingTokens | None = None,
     ) -> None:
         self.request_id = request_id
         self.group_id = group_id if group_id is not None else request_id
@@ -40,6 +42,8 @@ class Request:
         self.sampling_params = sampling_params
         self.max_tokens = max_tokens
         self.eos_token_ids = eos_token_ids
+        # A reasoning model's markers (None for a model that does not reason).
+        self.thinking = thinking
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING

@@ -14,6 +14,7 @@ from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import SchedulerOutput
 from tokenmill.outputs import TokenLogprob
+from tokenmill.reasoning import ThinkingTokens
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -26,9 +27,12 @@ class SamplingRequest:
     sample_index: int
     num_output_tokens: int
     eos_token_ids: frozenset[int]
-    # The request's tokens so far, only when a logits processor reads them (penalties).
+    # The request's tokens so far, only when a logits processor reads them
+    # (params.reads_history: the penalties, the thinking budget).
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    # A reasoning model's markers in token ids, when the request controls its thinking.
+    thinking: ThinkingTokens | None = None
 
 
 @dataclass
@@ -135,11 +139,12 @@ def _scheduled_request(request: Request, num_new: int, kv_manager: KVCacheManage
                                  kv_manager.get_block_table(request.request_id), num_spec)
     if real_end == request.num_tokens:
         params = request.sampling_params
-        history = params.uses_penalties
+        history = params.reads_history
         scheduled.sampling = SamplingRequest(
             params, request.sample_index, request.num_output_tokens, request.eos_token_ids,
             request.prompt_token_ids if history else None,
-            request.output_token_ids if history else None)
+            request.output_token_ids if history else None,
+            request.thinking if params.controls_thinking else None)
     if request.prompt_logprobs is not None:
         scheduled.prompt_logprobs = _prompt_logprobs_request(request, num_new)
     return scheduled

@@ -30,6 +30,7 @@ from tokenmill.engine.output_processor import RequestGroup, check_stop, group_ou
 from tokenmill.executor.base import WorkerDiedError
 from tokenmill.executor.factory import create_executor
 from tokenmill.outputs import RequestOutput, TokenLogprob
+from tokenmill.reasoning import ReasoningMarkers, declared_markers, thinking_progress
 from tokenmill.sampling_params import SamplingParams
 from tokenmill.speculative.driver import SpeculativeDriver
 
@@ -50,8 +51,13 @@ class LLMEngine:
         self.kv_manager = KVCacheManager(info.kv_plan.num_blocks, config.cache.block_size,
                                          config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv_manager)
+        # A reasoning model's markers (tokenmill/reasoning.py), None when it does not reason.
+        self.reasoning: ReasoningMarkers | None = (
+            None if config.model.reasoning_parser == "none"
+            else declared_markers(info.generation_config, self.tokenizer.get_vocab()))
         self.inputs = InputProcessor(self.tokenizer, info.arch.vocab_size, info.max_model_len,
-                                     info.kv_plan.num_blocks, config.cache.block_size)
+                                     info.kv_plan.num_blocks, config.cache.block_size,
+                                     self.reasoning)
         self.stats = EngineStats()
         self.speculation = (SpeculativeDriver(config.spec, self.executor.propose,
                                               info.max_model_len, self.stats, info.padded)
@@ -99,18 +105,20 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = self.validate_prompt(token_ids, params)
+        thinking = self.inputs.thinking_tokens(token_ids, params)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         children = []
         for index in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             child = Request(child_id, token_ids, params, arrival, max_tokens,
-                            self.eos_token_ids, sample_index=index, group_id=request_id)
+                            self.eos_token_ids, sample_index=index, group_id=request_id,
+                            thinking=thinking)
             if index and self.config.cache.enable_prefix_caching:
                 child.prefix_source = children[0]
             children.append(child)
         group = RequestGroup(request_id, text, token_ids, children,
                              [IncrementalDetokenizer(self.tokenizer.backend_tokenizer, c)
-                              for c in children])
+                              for c in children], self.reasoning)
         self.groups[request_id] = group
         for index, child in enumerate(children):
             self._requests[child.request_id] = (group, index)
@@ -254,6 +262,9 @@ class LLMEngine:
     def _finish(self, request: Request, reason: str) -> None:
         self.scheduler.finish_request(request, reason)
         request.metrics.finished_time = time.monotonic()
+        if request.thinking is not None:
+            request.metrics.num_thinking_tokens = thinking_progress(
+                request.output_token_ids, request.thinking).num_thinking_tokens
         if self.speculation is not None:
             self.speculation.release(request)
         self._finished_ids.append(request.request_id)

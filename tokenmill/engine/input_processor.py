@@ -15,18 +15,25 @@ import threading
 from transformers import PreTrainedTokenizerBase
 
 from tokenmill.chat import apply_chat_template
+from tokenmill.reasoning import ReasoningMarkers, ThinkingTokens, prompt_opens_thinking
 from tokenmill.sampling_params import SamplingParams
 
 
 class InputProcessor:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int,
-                 num_blocks: int, block_size: int) -> None:
+                 num_blocks: int, block_size: int,
+                 reasoning: ReasoningMarkers | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._lock = threading.Lock()
+        # A reasoning model's markers, as text and as the token ids it writes them with.
+        self.reasoning = reasoning
+        self._markers = None if reasoning is None else ThinkingTokens(
+            tuple(self.encode(reasoning.start, add_special_tokens=False)),
+            tuple(self.encode(reasoning.end, add_special_tokens=False)))
 
     def encode(self, prompt: str, add_special_tokens: bool = True) -> list[int]:
         check_text(prompt, "prompt")
@@ -40,6 +47,23 @@ class InputProcessor:
             check_text(message.get("content") or "", "messages")
         with self._lock:
             return apply_chat_template(self.tokenizer, messages, add_generation_prompt)
+
+    def thinking_tokens(self, prompt_ids: list[int], params: SamplingParams
+                        ) -> ThinkingTokens | None:
+        """A request's markers in token ids (None for a model that does not reason): the
+        bridge its budget forces, and whether its prompt leaves the thinking open."""
+        if self._markers is None:
+            return None
+        bridge = params.thinking_bridge
+        if bridge is None:
+            bridge = self.reasoning.bridge
+        bridge_ids: tuple[int, ...] = ()
+        if bridge:
+            check_text(bridge, "thinking_bridge")
+            with self._lock:
+                bridge_ids = tuple(self.tokenizer(bridge, add_special_tokens=False)["input_ids"])
+        return ThinkingTokens(self._markers.start_ids, self._markers.end_ids,
+                              prompt_opens_thinking(prompt_ids, self._markers), bridge_ids)
 
     def decode(self, token_ids: list[int]) -> str:
         with self._lock:
@@ -63,6 +87,11 @@ class InputProcessor:
                              f"({params.max_tokens}) exceed the model's context of "
                              f"{self.max_model_len} tokens")
         max_tokens = room if params.max_tokens is None else params.max_tokens
+        if params.controls_thinking and self.reasoning is None:
+            field = "thinking_budget" if params.thinking_budget is not None else "min_thinking"
+            raise ValueError(f"{field}: this model does not reason (it declares no thinking "
+                             "markers in generation_config.json and its tokenizer has no "
+                             "<think> and </think> tokens)")
         if params.min_tokens > max_tokens:
             raise ValueError(f"min_tokens ({params.min_tokens}) must be at most the tokens "
                              f"the context leaves for this prompt ({max_tokens})")

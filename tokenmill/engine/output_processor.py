@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from tokenmill.core.request import Request
 from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.reasoning import ReasoningMarkers, split_reasoning
 
 
 @dataclass
@@ -23,6 +24,8 @@ class RequestGroup:
     prompt_token_ids: list[int]
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
+    # A reasoning model's markers: outputs carry reasoning_content and content.
+    reasoning: ReasoningMarkers | None = None
 
     @property
     def finished(self) -> bool:
@@ -54,12 +57,18 @@ def group_output(group: RequestGroup) -> RequestOutput:
     outputs = []
     for index, (child, detok) in enumerate(zip(group.children, group.detokenizers,
                                                strict=True)):
+        text = detok.visible_text(child)
+        reasoning, content = None, text
+        if group.reasoning is not None:
+            open_at_start = child.thinking is not None and child.thinking.open_at_start
+            reasoning, content = split_reasoning(text, group.reasoning, open_at_start,
+                                                 finished=child.is_finished)
         outputs.append(CompletionOutput(
-            index=index, text=detok.visible_text(child), token_ids=child.output_token_ids,
+            index=index, text=text, token_ids=child.output_token_ids,
             finish_reason=child.finish_reason, stop_reason=child.stop_reason,
             logprobs=list(child.logprobs) if child.logprobs is not None else None,
             cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
-            metrics=child.metrics))
+            metrics=child.metrics, reasoning_content=reasoning, content=content))
     first = group.children[0]
     error = next((child.error for child in group.children if child.error), None)
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outputs,

@@ -8,8 +8,9 @@ that position's logits row in place. Processors of one kind are applied together
 Logprobs are reported from the raw model distribution, before any processor.
 
 Order: banned tokens (min_tokens keeps EOS and stop ids away) -> repetition /
-presence / frequency penalties -> logit bias (OpenAI's, added last). A new kind (logit bias, a thinking budget, a grammar)
-is a class here and one entry in `LOGITS_PROCESSORS`.
+presence / frequency penalties -> logit bias (OpenAI's) -> the thinking budget (last,
+so a forced token wins over everything before it). A new kind (a grammar) is a class
+here and one entry in `LOGITS_PROCESSORS`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.reasoning import ThinkingTokens, forced_sequence, thinking_progress
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -28,9 +30,11 @@ class TokenHistory:
 
     num_output_tokens: int
     eos_token_ids: frozenset[int]
-    # Only when params.uses_penalties (the engine sends the ids then).
+    # Only when params.reads_history (the engine sends the ids then).
     prompt_token_ids: list[int] | None = None
     output_token_ids: list[int] | None = None
+    # A reasoning model's markers, when params.controls_thinking.
+    thinking: ThinkingTokens | None = None
 
 
 class LogitsProcessor(ABC):
@@ -131,8 +135,49 @@ class LogitBias(LogitsProcessor):
         return cls(tokens, tuple(float(params.logit_bias[t]) for t in tokens))
 
 
+@dataclass(frozen=True)
+class ThinkingBudget(LogitsProcessor):
+    """A reasoning model's thinking budget and minimum. Once the thinking holds
+    `budget - len(bridge)` tokens, the bridge and the end marker are forced one token
+    per position (the bridge is dropped when it does not fit the budget), so the end
+    marker comes exactly after `budget` thinking tokens and the model then answers.
+    Before `min_thinking` tokens the end marker's first token is banned. The state is
+    recomputed from the output so far at every position, so verification rows (which
+    see the drafts before them as output), preemption and prefix caching need nothing
+    more."""
+
+    forced_token: int | None = None
+    banned_token: int | None = None
+
+    def apply(self, logits: torch.Tensor, history: TokenHistory) -> None:
+        if self.forced_token is not None:
+            logits.fill_(float("-inf"))
+            logits[self.forced_token] = 0.0
+        elif self.banned_token is not None:
+            logits[self.banned_token] = float("-inf")
+
+    @classmethod
+    def build(cls, params: SamplingParams, history: TokenHistory) -> ThinkingBudget | None:
+        thinking, output = history.thinking, history.output_token_ids
+        if thinking is None or output is None or not params.controls_thinking:
+            return None
+        progress = thinking_progress(output, thinking)
+        if not progress.started or progress.ended:
+            return None
+        count = progress.num_thinking_tokens
+        budget = params.thinking_budget
+        if budget is not None:
+            forced = forced_sequence(thinking, budget)
+            first = budget - (len(forced) - len(thinking.end_ids))
+            if 0 <= count - first < len(forced):
+                return cls(forced_token=forced[count - first])
+        if count < params.min_thinking:
+            return cls(banned_token=thinking.end_ids[0])
+        return None
+
+
 # Every kind, in the order they apply.
-LOGITS_PROCESSORS: list[type] = [BanTokens, Penalties, LogitBias]
+LOGITS_PROCESSORS: list[type] = [BanTokens, Penalties, LogitBias, ThinkingBudget]
 
 
 def build_logits_processors(params: SamplingParams, history: TokenHistory

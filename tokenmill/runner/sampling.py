@@ -164,7 +164,8 @@ def _processors(sampling: SamplingRequest, extra: int, extra_ids: list[int]) -> 
     outputs = sampling.output_token_ids
     history = TokenHistory(sampling.num_output_tokens + extra, sampling.eos_token_ids,
                            sampling.prompt_token_ids,
-                           outputs + extra_ids if outputs is not None else None)
+                           outputs + extra_ids if outputs is not None else None,
+                           sampling.thinking)
     return build_logits_processors(sampling.params, history), history
 
 

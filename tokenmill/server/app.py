@@ -118,10 +118,12 @@ def _auth_dependency(api_key: str | None):
 
 
 def build_app(async_engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_grace_s: float = 10.0
-              ) -> FastAPI:
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, shutdown_grace_s: float = 10.0,
+              default_thinking_budget: int | None = None) -> FastAPI:
+    """The app; default_thinking_budget applies to requests that send none (a
+    ValueError when the model does not reason)."""
     metrics = ServerMetrics(async_engine, served_model_name)
-    serving = OpenAIServing(async_engine, served_model_name, metrics)
+    serving = OpenAIServing(async_engine, served_model_name, metrics, default_thinking_budget)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

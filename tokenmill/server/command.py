@@ -26,15 +26,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_body_bytes < 1:
         print("error: --max-body-bytes must be >= 1", file=sys.stderr)
         return 2
+    if args.thinking_budget is not None and args.thinking_budget < 0:
+        print("error: --thinking-budget must be >= 0", file=sys.stderr)
+        return 2
     try:
         config = engine_config_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    run_server(config, host=args.host, port=args.port, api_key=args.api_key,
-               served_model_name=args.served_model_name, max_queue=args.max_queue,
-               max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
-               log_level=args.log_level)
+    try:
+        run_server(config, host=args.host, port=args.port, api_key=args.api_key,
+                   served_model_name=args.served_model_name, max_queue=args.max_queue,
+                   max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
+                   log_level=args.log_level, default_thinking_budget=args.thinking_budget)
+    except ValueError as exc:  # the model and the flags disagree (found at start-up)
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -50,3 +57,6 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--shutdown-grace", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
+    parser.add_argument("--thinking-budget", type=int, default=None,
+                        help="reasoning models: the thinking budget (tokens) of requests that "
+                             "send none (default: unlimited)")

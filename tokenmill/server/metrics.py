@@ -20,6 +20,7 @@ from tokenmill.outputs import RequestOutput
 PREFIX = "tokenmill:"
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                     2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_THINKING_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4,
                  0.5, 0.75, 1.0, 2.5)
 
@@ -98,6 +99,11 @@ class ServerMetrics:
                              _LATENCY_BUCKETS)
         self.queue_time = histogram("request_queue_time_seconds",
                                     "Arrival to first scheduled.", _LATENCY_BUCKETS)
+        self.reasoning_tokens = counter(
+            "reasoning_tokens", "Generated tokens inside a reasoning model's thinking markers.")
+        self.request_thinking_tokens = histogram(
+            "request_thinking_tokens", "Thinking tokens per finished request (reasoning models).",
+            _THINKING_BUCKETS)
         self.model_name = model_name
 
     def record_finished(self, output: RequestOutput) -> None:
@@ -109,6 +115,9 @@ class ServerMetrics:
             metrics = choice.metrics
             if metrics is None:
                 continue
+            if choice.reasoning_content is not None or metrics.num_thinking_tokens:
+                self.reasoning_tokens.labels(name).inc(metrics.num_thinking_tokens)
+                self.request_thinking_tokens.labels(name).observe(metrics.num_thinking_tokens)
             for histogram, value in ((self.ttft, metrics.time_to_first_token),
                                      (self.tpot, metrics.time_per_output_token),
                                      (self.e2e, metrics.e2e_latency),

@@ -45,12 +45,18 @@ T = TypeVar("T")
 
 class OpenAIServing:
     def __init__(self, async_engine: AsyncLLMEngine, model_name: str,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, default_thinking_budget: int | None = None) -> None:
         self.async_engine = async_engine
         self.inputs = async_engine.engine.inputs
         self.tokenizer = async_engine.tokenizer
         self.model_name = model_name
         self.metrics = metrics
+        # Whether the model reasons (its outputs split into reasoning and content).
+        self.reasons = self.inputs.reasoning is not None
+        if default_thinking_budget is not None and not self.reasons:
+            raise ValueError("thinking_budget: a default thinking budget was given, but this "
+                             "model does not reason (no thinking markers declared)")
+        self.default_thinking_budget = default_thinking_budget
         self._token_text: dict[int, str] = {}
         self._pool = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="tokenmill-inputs")
 
@@ -86,6 +92,7 @@ class OpenAIServing:
         def pick(value, default):
             return default if value is None else value
 
+        thinking_budget = pick(req.thinking_budget, self.default_thinking_budget)
         try:
             return SamplingParams(
                 n=req.n, max_tokens=max_tokens, min_tokens=req.min_tokens,
@@ -98,7 +105,8 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
-                logit_bias=_logit_bias(req.logit_bias))
+                logit_bias=_logit_bias(req.logit_bias), thinking_budget=thinking_budget,
+                min_thinking=pick(req.min_thinking, 0), thinking_bridge=req.thinking_bridge)
         except ValueError as exc:
             error = from_exception(exc, REQUEST_FIELDS | frozenset(renamed or ()))
             error.param = (renamed or {}).get(error.param, error.param)

@@ -45,6 +45,12 @@ class _SamplingFields(_Request):
     user: str | None = None
     # OpenAI's logit_bias: token id (as a string key) -> bias in [-100, 100].
     logit_bias: dict[str, float] | None = None
+    # Reasoning models: most / fewest thinking tokens, and the text forced before the
+    # end marker at the budget (SamplingParams; the server's --thinking-budget is the
+    # default budget).
+    thinking_budget: int | None = None
+    min_thinking: int | None = None
+    thinking_bridge: str | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -84,10 +90,16 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
 
 
+class CompletionTokensDetails(BaseModel):
+    # A reasoning model's completion tokens between its thinking markers.
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class RequestTimings(BaseModel):
@@ -150,6 +162,8 @@ class ChatChoiceLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str
+    # A reasoning model's thinking, split from its answer (None: there was none).
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
@@ -173,6 +187,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
 
 
 class ChatStreamChoice(BaseModel):

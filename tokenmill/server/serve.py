@@ -65,7 +65,8 @@ class DrainingServer(uvicorn.Server):
 def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, served_model_name: str | None = None,
                max_queue: int = 64, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               shutdown_grace_s: float = 10.0, log_level: str = "info") -> None:
+               shutdown_grace_s: float = 10.0, log_level: str = "info",
+               default_thinking_budget: int | None = None) -> None:
     """Serve until SIGTERM/SIGINT. The API key falls back to $TOKENMILL_API_KEY."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -74,7 +75,8 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     engine = LLMEngine(config, progress=False)
     async_engine = AsyncLLMEngine(engine, max_queue=max_queue)
     app = build_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes,
-                    shutdown_grace_s=shutdown_grace_s)
+                    shutdown_grace_s=shutdown_grace_s,
+                    default_thinking_budget=default_thinking_budget)
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
     server = DrainingServer(uv_config, async_engine, shutdown_grace_s)

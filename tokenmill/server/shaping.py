@@ -23,6 +23,7 @@ from tokenmill.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionStreamResponse,
+    CompletionTokensDetails,
     DeltaMessage,
     RequestTimings,
     TopLogprob,
@@ -34,6 +35,7 @@ class Namer(Protocol):
     """What a shaper needs from the server: the model's name and token texts."""
 
     model_name: str
+    reasons: bool  # the model reasons: usage counts its thinking tokens
 
     def token_text(self, token_id: int) -> str: ...
 
@@ -56,23 +58,32 @@ class Shaper:
         self.n = req.n
         num_choices = len(prompts) * req.n
         self.sent_chars = [0] * num_choices
+        self.sent_reasoning_chars = [0] * num_choices
         self.sent_tokens = [0] * num_choices
         self.done = [False] * num_choices
 
     def usage(self, finals: list[RequestOutput | None]) -> UsageInfo:
         prompt_tokens = sum(len(p.token_ids) for p in self.prompts)
-        completion = sum(self._num_completion_tokens(c) for f in finals if f is not None
-                         for c in f.outputs)
+        choices = [c for f in finals if f is not None for c in f.outputs]
+        completion = sum(self._num_completion_tokens(c) for c in choices)
+        details = None
+        if self.serving.reasons:
+            details = CompletionTokensDetails(reasoning_tokens=sum(
+                c.metrics.num_thinking_tokens for c in choices if c.metrics is not None))
         return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                         total_tokens=prompt_tokens + completion)
+                         total_tokens=prompt_tokens + completion,
+                         completion_tokens_details=details)
 
     def _num_completion_tokens(self, choice: CompletionOutput) -> int:
         return len(choice.token_ids)
 
-    def _take_delta(self, index: int, choice: CompletionOutput) -> tuple[str, list[int], bool]:
-        """New text, new token positions and whether the choice just finished."""
-        text = choice.text[self.sent_chars[index]:]
-        self.sent_chars[index] = len(choice.text)
+    def _take_delta(self, index: int, choice: CompletionOutput, full_text: str | None = None
+                    ) -> tuple[str, list[int], bool]:
+        """New text (of full_text, default the choice's text), new token positions and
+        whether the choice just finished."""
+        full_text = choice.text if full_text is None else full_text
+        text = full_text[self.sent_chars[index]:]
+        self.sent_chars[index] = len(full_text)
         start = self.sent_tokens[index]
         self.sent_tokens[index] = len(choice.token_ids)
         just_finished = choice.finished and not self.done[index]
@@ -193,8 +204,10 @@ class ChatShaper(Shaper):
         choices = []
         for choice in output.outputs:
             positions = list(range(len(choice.token_ids)))
+            message = ChatResponseMessage(content=_content(choice),
+                                          reasoning_content=choice.reasoning_content)
             choices.append(ChatChoice(
-                index=choice.index, message=ChatResponseMessage(content=choice.text),
+                index=choice.index, message=message,
                 logprobs=self._logprobs(choice, positions) if self.req.logprobs else None,
                 finish_reason=choice.finish_reason, stop_reason=choice.stop_reason,
                 timings=timings(choice)))
@@ -210,11 +223,16 @@ class ChatShaper(Shaper):
                      ) -> list[BaseModel]:
         chunks = []
         for choice in output.outputs:
-            text, positions, just_finished = self._take_delta(choice.index, choice)
-            if not text and not (self.req.logprobs and positions) and not just_finished:
+            text, positions, just_finished = self._take_delta(choice.index, choice,
+                                                              _content(choice))
+            reasoning = (choice.reasoning_content or "")[self.sent_reasoning_chars[choice.index]:]
+            self.sent_reasoning_chars[choice.index] += len(reasoning)
+            if (not text and not reasoning and not (self.req.logprobs and positions)
+                    and not just_finished):
                 continue
             shaped = ChatStreamChoice(
-                index=choice.index, delta=DeltaMessage(content=text or None),
+                index=choice.index,
+                delta=DeltaMessage(content=text or None, reasoning_content=reasoning or None),
                 logprobs=self._logprobs(choice, positions) if self.req.logprobs else None,
                 finish_reason=choice.finish_reason if just_finished else None,
                 stop_reason=choice.stop_reason if just_finished else None)
@@ -226,6 +244,11 @@ class ChatShaper(Shaper):
     def usage_chunk(self, request_id: str, finals: list[RequestOutput | None]) -> BaseModel:
         return ChatCompletionStreamResponse(id=request_id, model=self.serving.model_name,
                                             choices=[], usage=self.usage(finals))
+
+
+def _content(choice: CompletionOutput) -> str:
+    """The answer a chat message carries: a reasoning model's text after its thinking."""
+    return choice.text if choice.content is None else choice.content
 
 
 def timings(choice: CompletionOutput) -> RequestTimings | None:

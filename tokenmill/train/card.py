@@ -61,7 +61,7 @@ def write_model_card(model_dir: Path, corpus_root: Path | None = None) -> Path:
     return card_path
 
 
-def _architecture_rows(log: dict, config: dict) -> list[str]:
+def architecture_rows(log: dict, config: dict) -> list[str]:
     rows = [
         ("class", log["model_class"]),
         ("hidden size", config["hidden_size"]),
@@ -121,12 +121,12 @@ def _stage_lines(index: int, stage: dict, num_stages: int) -> list[str]:
             "",
             f"Wall-clock budget {stage['max_seconds'] / 60:.0f} min: the short-context phase "
             "stops when 90% of it is spent (the cosine schedule follows the larger of step and "
-            "time progress), then the 2048 phase runs in full.",
+            f"time progress), then the {schedule['phases'][-1]['seq_len']} phase runs in full.",
         ]
     return lines
 
 
-def _schedule_lines(log: dict) -> list[str]:
+def schedule_lines(log: dict) -> list[str]:
     stages = stages_of(log)
     lines = []
     for index, stage in enumerate(stages):
@@ -223,13 +223,13 @@ def _measurement_lines(log: dict, config: dict, weights_bytes: int) -> list[str]
         "",
         "| | |",
         "| --- | --- |",
-        *_architecture_rows(log, config),
+        *architecture_rows(log, config),
         f"| parameters | {log['num_parameters']:,} |",
         f"| weights file | {weights_bytes / 1e6:.1f} MB (fp32 safetensors) |",
         "",
         "## Training",
         "",
-        *_schedule_lines(log),
+        *schedule_lines(log),
         "",
         f"Tokens seen: {log['tokens_seen']:,} ({log['epochs']:.2f} epochs) in {log['steps']} "
         f"steps; wall time {log['train_seconds'] / 60:.1f} min "

@@ -4,6 +4,8 @@ python -m tokenmill.train tokenizer --out models/pycoder
 python -m tokenmill.train model --preset pycoder --tokenizer models/pycoder --out models/pycoder
 python -m tokenmill.train card --model models/pycoder
 python -m tokenmill.train eagle --target models/pycoder --out models/pycoder/eagle
+python -m tokenmill.train tokenizer --kind reasoning --out models/pyreason
+python -m tokenmill.train sft --model models/pyreason --out /tmp/lp --length-penalty 0.05
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def _build_parser() -> argparse.ArgumentParser:
     tokenizer.add_argument("--out", type=Path, required=True, help="directory to write it to")
     tokenizer.add_argument("--vocab-size", type=int, default=8192)
     tokenizer.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
+    tokenizer.add_argument("--kind", choices=("code", "reasoning"), default="code",
+                           help="code: BPE on the stdlib; reasoning: the pyreason chat tokenizer")
 
     model = commands.add_parser("model", help="train a model from random initialisation")
     model.add_argument("--preset", choices=sorted(PRESETS), required=True)
@@ -55,6 +59,17 @@ def _build_parser() -> argparse.ArgumentParser:
     card.add_argument("--model", type=Path, required=True, help="trained model directory")
     card.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
 
+    sft = commands.add_parser(
+        "sft", help="fine-tune a reasoning model with a length penalty on its thinking")
+    sft.add_argument("--model", type=Path, required=True, help="trained reasoning model")
+    sft.add_argument("--out", type=Path, required=True, help="model directory to write")
+    sft.add_argument("--length-penalty", type=float, default=0.0,
+                     help="alpha per thinking token (0: plain SFT, the control)")
+    sft.add_argument("--steps", type=int, default=400)
+    sft.add_argument("--max-minutes", type=float, default=None)
+    sft.add_argument("--eval-per-level", type=int, default=50,
+                     help="held-out items per level scored after fine-tuning (0: none)")
+
     eagle = commands.add_parser("eagle", help="train an EAGLE-1 draft head for a trained model")
     eagle.add_argument("--target", type=Path, required=True, help="trained model directory")
     eagle.add_argument("--out", type=Path, required=True, help="head directory to write")
@@ -75,16 +90,31 @@ def _build_parser() -> argparse.ArgumentParser:
 
 def _run_tokenizer(args: argparse.Namespace) -> int:
     from tokenmill.train.corpus import training_texts
+    from tokenmill.train.reasoning_data import build_reasoning_tokenizer
     from tokenmill.train.tokenizer import save_tokenizer, train_bpe
 
-    tokenizer = train_bpe(training_texts(args.corpus_root), vocab_size=args.vocab_size)
-    save_tokenizer(tokenizer, args.out)
+    if args.kind == "reasoning":
+        tokenizer = build_reasoning_tokenizer(args.out)
+    else:
+        tokenizer = train_bpe(training_texts(args.corpus_root), vocab_size=args.vocab_size)
+        save_tokenizer(tokenizer, args.out)
     print(f"wrote tokenizer with {tokenizer.get_vocab_size()} tokens to {args.out}")
     return 0
 
 
-def _run_model(args: argparse.Namespace) -> int:
+def _corpus(preset, corpus_root: Path | None) -> tuple[list[str], list[str]]:
+    """(training texts, held-out texts): generated items for a reasoning preset, else
+    the stdlib's files split by path."""
     from tokenmill.train.corpus import read_sources, split_sources
+    from tokenmill.train.reasoning_data import reasoning_corpus
+
+    if preset.extra.get("data") == "reasoning":
+        return reasoning_corpus(preset.extra, preset.schedule.seed)
+    train, held_out = split_sources(read_sources(corpus_root))
+    return [source.text for source in train], [source.text for source in held_out]
+
+
+def _run_model(args: argparse.Namespace) -> int:
     from tokenmill.train.presets import get_preset
     from tokenmill.train.tokenizer import load_tokenizer
     from tokenmill.train.trainer import train_model
@@ -94,13 +124,13 @@ def _run_model(args: argparse.Namespace) -> int:
     preset = preset.with_schedule(
         peak_lr=args.peak_lr, warmup_steps=args.warmup_steps, seed=args.seed
     )
-    train, held_out = split_sources(read_sources(args.corpus_root))
+    train, held_out = _corpus(preset, args.corpus_root)
     log = train_model(
         preset,
         args.tokenizer,
         args.out,
-        [source.text for source in train],
-        [source.text for source in held_out],
+        train,
+        held_out,
         show_progress=not args.no_progress,
         max_seconds=None if args.max_minutes is None else args.max_minutes * 60,
         init_from=args.init_from,
@@ -114,9 +144,31 @@ def _run_model(args: argparse.Namespace) -> int:
 
 def _run_card(args: argparse.Namespace) -> int:
     from tokenmill.train.card import write_model_card
+    from tokenmill.train.presets import get_preset
+    from tokenmill.train.reasoning_card import write_reasoning_card
 
-    path = write_model_card(args.model, args.corpus_root)
+    preset = json.loads((args.model / "train_log.json").read_text())["preset"]
+    if preset in PRESETS and get_preset(preset).extra.get("data") == "reasoning":
+        path = write_reasoning_card(args.model)
+    else:
+        path = write_model_card(args.model, args.corpus_root)
     print(f"wrote {path}")
+    return 0
+
+
+def _run_sft(args: argparse.Namespace) -> int:
+    from tokenmill.llm import LLM
+    from tokenmill.train.reasoning_eval import eval_items, greedy_params, score, summarize
+    from tokenmill.train.sft import finetune
+
+    log = finetune(args.model, args.out, args.length_penalty, args.steps,
+                   None if args.max_minutes is None else args.max_minutes * 60)
+    if args.eval_per_level:
+        llm = LLM(str(args.out), progress=False, num_threads=2, max_num_seqs=256)
+        results = score(llm, eval_items(args.eval_per_level), greedy_params())
+        log["eval"] = [row.as_dict() for row in summarize(results)]
+    (args.out / "sft_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in log.items() if k != "loss"}, indent=1))
     return 0
 
 
@@ -149,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "tokenizer": _run_tokenizer,
         "model": _run_model,
         "card": _run_card,
+        "sft": _run_sft,
         "eagle": _run_eagle,
     }
     return runners[args.command](args)

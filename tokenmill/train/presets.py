@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tokenmill.train.reasoning_tasks import THINK_END, THINK_START
+
 ARCHITECTURES = ("llama", "mixtral")
 
 
@@ -189,10 +191,50 @@ def pycoder_moe(vocab_size: int = 8192) -> Preset:
     return Preset("pycoder-moe", "mixtral", config, schedule, "Mixtral, 8 experts, top-2 routing")
 
 
+def pyreason(vocab_size: int = 289) -> Preset:
+    """A small chat model that thinks before it answers (train/reasoning_tasks.py).
+
+    Its items are at most ~160 tokens, so it trains on 256-token windows and is scored
+    and served at a 512-token context; the vocabulary is its own (digits one per token).
+    """
+    config = _common_config(vocab_size) | {
+        "hidden_size": 192,
+        "intermediate_size": 512,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+    }
+    schedule = Schedule(
+        phases=(
+            Phase(steps=4000, seq_len=256, batch_size=16),
+            Phase(steps=60, seq_len=512, batch_size=8),
+        ),
+        peak_lr=2e-3,
+        eval_every=200,
+        eval_windows=32,
+        eval_seq_len=256,
+    )
+    extra = {
+        "data": "reasoning",
+        "train_items": 120_000,
+        "held_out_items": 1_200,
+        # The model's own traces end each line with a newline, so a budget that
+        # cuts a line short closes it with one before `</think>`.
+        "generation_config": {"reasoning": {"start": THINK_START, "end": THINK_END,
+                                            "bridge": "\n"}},
+    }
+    return Preset("pyreason", "llama", config, schedule,
+                  "Llama that reasons in <think> before answering", extra)
+
+
 PRESETS = {
     "pycoder": pycoder,
     "pycoder-draft": pycoder_draft,
     "pycoder-moe": pycoder_moe,
+    "pyreason": pyreason,
 }
 
 

@@ -165,7 +165,9 @@ def run_schedule(
 def final_held_out(model: PreTrainedModel, held_out_tokens: torch.Tensor) -> dict:
     """Loss and perplexity over all held-out windows at each reported context length."""
     results = {}
-    for seq_len in FINAL_EVAL_SEQ_LENS:
+    # A model trained for a shorter context is scored at that context only.
+    longest = model.config.max_position_embeddings
+    for seq_len in sorted({min(n, longest) for n in FINAL_EVAL_SEQ_LENS}):
         windows = evaluation_windows(held_out_tokens, min(seq_len, held_out_tokens.numel()), None)
         result = held_out_loss(model, windows, max(1, 4096 // windows.shape[1]))
         results[str(result.seq_len)] = {
@@ -210,7 +212,7 @@ def train_model(
         model, schedule, train_tokens, eval_windows, show_progress, max_seconds
     )
     held_out = final_held_out(model, held_out_tokens)
-    save_model_dir(model, tokenizer_dir, out_dir)
+    save_model_dir(model, tokenizer_dir, out_dir, preset.extra.get("generation_config"))
 
     stage = stage_record(stats, schedule, max_seconds, continued=earlier is not None)
     stages = ([] if earlier is None else stages_of(earlier)) + [stage]
@@ -265,14 +267,17 @@ def load_for_continuation(preset: Preset, model_dir: Path) -> tuple[PreTrainedMo
     return model, earlier
 
 
-def save_model_dir(model: PreTrainedModel, tokenizer_dir: Path, out_dir: Path) -> None:
-    """Write config.json, model.safetensors, generation_config.json and tokenizer files."""
+def save_model_dir(model: PreTrainedModel, tokenizer_dir: Path, out_dir: Path,
+                   generation_extra: dict | None = None) -> None:
+    """Write config.json, model.safetensors, generation_config.json (with the preset's
+    extra entries, such as a reasoning model's markers) and tokenizer files."""
     out_dir.mkdir(parents=True, exist_ok=True)
     config = model.config
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         pad_token_id=config.pad_token_id,
+        **(generation_extra or {}),
     )
     model.save_pretrained(str(out_dir), safe_serialization=True)
     copy_tokenizer_files(tokenizer_dir, out_dir)
