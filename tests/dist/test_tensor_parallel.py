@@ -86,3 +86,14 @@ def test_a_rank_dying_mid_run_fails_the_engine_quickly(llama_dir):
         while engine.has_unfinished_requests():
             engine.step()
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_weights_shard_across_ranks(llama_dir, quantization):
+    # Each rank quantizes its shard. With groups smaller than a row shard's inputs,
+    # column shards keep their rows' scales and row shards whole groups, so two ranks
+    # hold exactly the single rank's quantized values; only the summation order moves.
+    options = {"quantization": quantization, "quantization_group_size": 32}
+    reference, _ = generate(llama_dir, **options)
+    outputs, _ = generate(llama_dir, tensor_parallel_size=2, **options)
+    assert_same(reference, outputs)
