@@ -298,6 +298,10 @@ class ParallelConfig:
     # Who sums the row-parallel partial products: torch.distributed's own all-reduce,
     # or tokenmill's ring, tree or recursive halving-doubling (tokenmill/dist).
     all_reduce: Literal["backend", "ring", "tree", "rhd"] = "backend"
+    # Megatron sequence parallelism under TP: each all-reduce becomes a reduce-scatter
+    # over tokens and an all-gather before the next projection, so the norms and
+    # residual adds run on 1/TP of the tokens with the same bytes moved.
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         _require(self.executor in EXECUTORS, "executor", f"one of {EXECUTORS}", self.executor)
@@ -307,6 +311,9 @@ class ParallelConfig:
                  self.all_reduce)
         _require(self.executor != "in-process" or self.tensor_parallel_size == 1, "executor",
                  "'multiprocess' or 'auto' when tensor_parallel_size > 1", self.executor)
+        _require(not self.sequence_parallel or self.tensor_parallel_size > 1,
+                 "sequence_parallel", "off when tensor_parallel_size is 1 (it splits the "
+                 "tensor-parallel ranks' tokens)", self.sequence_parallel)
 
     @property
     def world_size(self) -> int:

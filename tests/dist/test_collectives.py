@@ -1,5 +1,6 @@
 """tokenmill's own all-reduce algorithms sum exactly what the backend's sums, for 2-5
-ranks and sizes that do not divide evenly (gloo, spawned processes)."""
+ranks and sizes that do not divide evenly, and its ring reduce-scatter leaves each rank
+its chunk of the sum (gloo, spawned processes)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from tokenmill.dist.collectives import ALGORITHMS, all_reduce
+from tokenmill.dist.collectives import ALGORITHMS, all_reduce, reduce_scatter
 from tokenmill.executor.multiprocess import free_port
 
 SIZES = [1, 3, 7, 1001, 70_001]
@@ -34,6 +35,14 @@ def check_rank(rank: int, world: int, port: int, failures) -> None:
                     error = (tensor.view(-1).double() - expected).abs().max().item()
                     if error > tolerance * world:
                         failures.put(f"{algorithm} rank {rank} size {size} {dtype}: {error}")
+        for rows in (1, 3, 64):
+            size = rows * world * 5
+            expected = sum(contribution(r, size, torch.float64) for r in range(world))
+            mine = reduce_scatter(contribution(rank, size, torch.float32).view(-1, 5))
+            piece = expected.view(world, -1)[rank]
+            error = (mine.double() - piece).abs().max().item()
+            if mine.shape != piece.shape or error > 1e-5 * world:
+                failures.put(f"reduce_scatter rank {rank} size {size}: {error}")
     except Exception as exc:  # noqa: BLE001 (reported to the test)
         failures.put(f"rank {rank}: {exc!r}")
     finally:

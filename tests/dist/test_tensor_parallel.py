@@ -50,6 +50,22 @@ def test_two_ranks_give_one_ranks_tokens(model_factory, family):
     assert one.weights == two.weights and one.kv_cache == two.kv_cache
 
 
+# Sequence parallelism moves the norms and residual adds onto each rank's share of the
+# tokens; the sums are the same (a reduce-scatter instead of an all-reduce), so are the
+# tokens. Steps with fewer tokens than ranks (decode of one sequence) pad a share.
+@pytest.mark.parametrize("family", ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mixtral"])
+def test_sequence_parallel_gives_one_ranks_tokens(model_factory, family):
+    model_dir = model_factory(family)
+    reference, _ = generate(model_dir)
+    outputs, _ = generate(model_dir, tensor_parallel_size=2, sequence_parallel=True)
+    assert_same(reference, outputs)
+
+
+def test_sequence_parallel_needs_tensor_parallel_ranks(llama_dir):
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        LLM(str(llama_dir), progress=False, sequence_parallel=True)
+
+
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "rhd"])
 def test_tokenmills_own_all_reduce_serves_too(llama_dir, algorithm):
     reference, _ = generate(llama_dir)

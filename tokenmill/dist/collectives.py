@@ -14,6 +14,10 @@ With p ranks and n bytes, in the alpha-beta model (a message costs alpha + size 
 
 Each gives the same sum as the backend's up to float reassociation (tests/dist). They
 take and return a tensor in place, like torch.distributed.all_reduce.
+
+`reduce_scatter` (sequence parallelism) is the ring's first half: (p - 1) steps of
+n / p bytes, after which rank r holds the sum of chunk r. NCCL has its own; gloo has
+none, so there tokenmill's ring is the only one.
 """
 
 from __future__ import annotations
@@ -51,6 +55,36 @@ def all_reduce(tensor: torch.Tensor, algorithm: str = "backend",
     if flat.data_ptr() != tensor.data_ptr():
         tensor.copy_(flat.view_as(tensor))
     return tensor
+
+
+def reduce_scatter(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
+                   ) -> torch.Tensor:
+    """Sum `tensor` over the ranks of `group` and return this rank's 1/p of the sum
+    (chunk `rank` of its flattened elements; the size must divide evenly). `tensor` is
+    used as scratch."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return tensor
+    if tensor.numel() % size:
+        raise ValueError(f"reduce_scatter: {tensor.numel()} elements do not split over "
+                         f"{size} ranks")
+    rank = dist.get_rank(group)
+    if dist.get_backend(group) == "nccl":
+        out = tensor.new_empty(tensor.numel() // size)
+        dist.reduce_scatter_tensor(out, tensor.contiguous().view(-1), group=group)
+        return out
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(size))
+    chunks = _chunks(tensor.contiguous().view(-1), size)
+    right, left = ranks[(rank + 1) % size], ranks[(rank - 1) % size]
+    # After step s, chunk (rank - s - 2) holds s + 2 ranks' sum; the last step ends on
+    # chunk rank.
+    for step in range(size - 1):
+        send = chunks[(rank - step - 1) % size]
+        target = chunks[(rank - step - 2) % size]
+        incoming = torch.empty_like(target)
+        _exchange(send, right, incoming, left)
+        target.add_(incoming)
+    return chunks[rank]
 
 
 def _exchange(send: torch.Tensor, to: int, recv: torch.Tensor, frm: int) -> None:

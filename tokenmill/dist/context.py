@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tokenmill.dist.collectives import ALGORITHMS, all_reduce
+from tokenmill.dist.collectives import ALGORITHMS, all_reduce, reduce_scatter
 
 # How long a collective may wait for a peer before the group gives up (a dead worker
 # must fail the step, not hang it).
@@ -61,6 +61,11 @@ class GroupCollectives:
     size: int
     algorithm: str = "backend"
     group: dist.ProcessGroup | None = None
+    # Sequence parallelism: ranks hold `chunk` of the step's `tokens` rows each (the
+    # last rank's share padded with zero rows), set by split_tokens.
+    sequence_parallel: bool = False
+    tokens: int = 0
+    chunk: int = 0
     # Seconds spent in collectives since the last take_comm_seconds().
     comm_seconds: float = field(default=0.0)
 
@@ -80,6 +85,37 @@ class GroupCollectives:
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         self.comm_seconds += time.perf_counter() - started
         return torch.cat(parts, dim=-1)
+
+    def split_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return hidden
+        self.tokens = hidden.shape[0]
+        self.chunk = -(-self.tokens // self.size)
+        return self._padded(hidden)[self.rank * self.chunk:(self.rank + 1) * self.chunk]
+
+    def gather_tokens(self, local: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return local
+        started = time.perf_counter()
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        self.comm_seconds += time.perf_counter() - started
+        return torch.cat(parts)[:self.tokens]
+
+    def reduce_partial(self, partial: torch.Tensor) -> torch.Tensor:
+        if not self.sequence_parallel:
+            return self.all_reduce(partial)
+        started = time.perf_counter()
+        mine = reduce_scatter(self._padded(partial), self.group)
+        self.comm_seconds += time.perf_counter() - started
+        return mine.view(self.chunk, *partial.shape[1:])
+
+    def _padded(self, rows: torch.Tensor) -> torch.Tensor:
+        """`rows` [tokens, ...] with zero rows up to chunk * size."""
+        missing = self.chunk * self.size - rows.shape[0]
+        if not missing:
+            return rows
+        return torch.cat([rows, rows.new_zeros(missing, *rows.shape[1:])])
 
     def take_comm_seconds(self) -> float:
         seconds, self.comm_seconds = self.comm_seconds, 0.0

@@ -3,7 +3,8 @@ rank holds its shard; the method loads that shard from the full checkpoint tenso
 adds the collective its style needs.
 
     column       QKV, gate/up: outputs split; each rank computes its heads / columns
-    row          o_proj, down_proj: inputs split; partial products all-reduced
+    row          o_proj, down_proj: inputs split; partial products all-reduced (or,
+                 with sequence parallelism, reduce-scattered over tokens)
     row_partial  an MoE expert's down_proj: like row, the MoE layer reduces once
     vocab        the LM head: outputs split over the vocabulary, then all-gathered;
                  a tied head doubles as a vocab-parallel embedding
@@ -65,7 +66,7 @@ class TensorParallelMethod(LinearMethod):
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         out = self.inner.apply(layer, x)
         if self.style == "row":
-            return self.group.all_reduce(out)
+            return self.group.reduce_partial(out)
         if self.style == "vocab":
             return self.group.all_gather(out)
         return out

@@ -67,4 +67,4 @@ class SparseMoE(nn.Module):
             tokens, slot = (experts == expert).nonzero(as_tuple=True)
             hidden = self.experts[expert](x[tokens])
             out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
-        return self.group.all_reduce(out)
+        return self.group.reduce_partial(out)

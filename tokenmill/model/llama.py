@@ -6,7 +6,9 @@ Q/K/V and gate/up projections are fused; checkpoint tensors are placed into the
 fused weights through `STACKED_PARAMS`. For tensor parallelism the model is built
 from one rank's geometry (ArchConfig.sharded) and each projection declares how it
 splits (Megatron's layout: QKV and gate/up by columns, o_proj and down_proj by rows,
-the LM head and embedding by vocabulary); the linear methods do the rest.
+the LM head and embedding by vocabulary); the linear methods do the rest. With
+sequence parallelism (layers/parallel.py) the residual stream holds one rank's share
+of the tokens: norms and residual adds run on it, projections on all the tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from tokenmill.attention.base import AttentionContext
 from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.model.arch import ArchConfig
 
@@ -97,11 +100,14 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        # Sequence parallelism: `hidden` is this rank's tokens; the projections see all.
+        self.group: Collectives = SINGLE_RANK
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
                 attention: AttentionContext) -> torch.Tensor:
-        hidden = hidden + self.self_attn(rope, self.input_layernorm(hidden), attention)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        x = self.group.gather_tokens(self.input_layernorm(hidden))
+        hidden = hidden + self.self_attn(rope, x, attention)
+        return hidden + self.mlp(self.group.gather_tokens(self.post_attention_layernorm(hidden)))
 
 
 class LlamaModel(nn.Module):
@@ -115,6 +121,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, build_mlp(), index)
                                     for index in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.group: Collectives = SINGLE_RANK
 
 
 class LlamaForCausalLM(nn.Module):
@@ -151,9 +158,11 @@ class LlamaForCausalLM(nn.Module):
         """Final hidden states [T, hidden] for a flattened batch of T tokens."""
         hidden = self.embed(input_ids)
         rope = self.model.rotary(positions, hidden.dtype)
+        group = self.model.group
+        hidden = group.split_tokens(hidden)
         for layer in self.model.layers:
             hidden = layer(rope, hidden, attention)
-        return self.model.norm(hidden)
+        return group.gather_tokens(self.model.norm(hidden))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

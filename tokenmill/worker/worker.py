@@ -117,7 +117,8 @@ class Worker:
             raise ValueError(f"tensor_parallel_size is {size} but the rendezvous has "
                              f"{rendezvous.world_size} ranks")
         init_group(rendezvous)
-        return GroupCollectives(rendezvous.rank, size, config.parallel.all_reduce)
+        return GroupCollectives(rendezvous.rank, size, config.parallel.all_reduce,
+                                sequence_parallel=config.parallel.sequence_parallel)
 
     def _measure_memory(self) -> MemoryUsage:
         proposer = self.proposer.memory_bytes() if self.proposer is not None else (0, 0)
