@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "attention": {"kv"},
     "layers": BASE,
     "model": {"layers", "attention", "kv"},
-    "dist": BASE | {"layers"},
+    "dist": BASE | {"layers", "model"},
     "quant": BASE | {"layers"},
     "runner": BASE | {"core", "attention", "kv", "layers", "model"},
     "speculative": BASE | {"core", "attention", "kv", "layers", "model", "runner"},

@@ -302,6 +302,11 @@ class ParallelConfig:
     # over tokens and an all-gather before the next projection, so the norms and
     # residual adds run on 1/TP of the tokens with the same bytes moved.
     sequence_parallel: bool = False
+    # Stages the decoder layers are split into (each a group of tensor_parallel_size
+    # ranks): world = tensor_parallel_size * pipeline_parallel_size processes.
+    pipeline_parallel_size: int = 1
+    # Micro-batches a step is cut into so that stages overlap (None: one per stage).
+    pipeline_micro_batches: int | None = None
 
     def __post_init__(self) -> None:
         _require(self.executor in EXECUTORS, "executor", f"one of {EXECUTORS}", self.executor)
@@ -309,15 +314,27 @@ class ParallelConfig:
                  <= 64, "tensor_parallel_size", "an integer in [1, 64]", self.tensor_parallel_size)
         _require(self.all_reduce in ALL_REDUCE, "all_reduce", f"one of {ALL_REDUCE}",
                  self.all_reduce)
-        _require(self.executor != "in-process" or self.tensor_parallel_size == 1, "executor",
-                 "'multiprocess' or 'auto' when tensor_parallel_size > 1", self.executor)
+        _require(isinstance(self.pipeline_parallel_size, int)
+                 and 1 <= self.pipeline_parallel_size <= 64, "pipeline_parallel_size",
+                 "an integer in [1, 64]", self.pipeline_parallel_size)
+        _require(self.pipeline_micro_batches is None
+                 or (isinstance(self.pipeline_micro_batches, int)
+                     and 1 <= self.pipeline_micro_batches <= 64), "pipeline_micro_batches",
+                 "None or an integer in [1, 64]", self.pipeline_micro_batches)
+        _require(self.executor != "in-process" or self.world_size == 1, "executor",
+                 "'multiprocess' or 'auto' when tensor_parallel_size or "
+                 "pipeline_parallel_size > 1", self.executor)
         _require(not self.sequence_parallel or self.tensor_parallel_size > 1,
                  "sequence_parallel", "off when tensor_parallel_size is 1 (it splits the "
                  "tensor-parallel ranks' tokens)", self.sequence_parallel)
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def micro_batches(self) -> int:
+        return self.pipeline_micro_batches or self.pipeline_parallel_size
 
 
 @dataclass(frozen=True)
@@ -331,6 +348,13 @@ class EngineConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
+        if self.parallel.pipeline_parallel_size > 1:
+            # A stage has neither the target's embedding nor its last hidden states at
+            # hand, which the EAGLE head reads; AWQ calibrates on whole-model forwards.
+            _require(self.spec.speculative_method != "eagle", "speculative_method",
+                     "not 'eagle' with pipeline_parallel_size > 1", self.spec.speculative_method)
+            _require(self.quant.quantization_method != "awq", "quantization_method",
+                     "not 'awq' with pipeline_parallel_size > 1", self.quant.quantization_method)
         sched = self.scheduler
         if not sched.enable_chunked_prefill and self.model.max_model_len is not None:
             _require(sched.max_num_batched_tokens >= self.model.max_model_len,

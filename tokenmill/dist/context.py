@@ -53,6 +53,23 @@ def init_group(rendezvous: Rendezvous) -> None:
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
+def stage_group(stage: int, tp: int, pp: int) -> dist.ProcessGroup | None:
+    """The tensor-parallel group of ranks [stage * tp, (stage + 1) * tp) (None: the
+    whole world, when there is one stage). Every rank creates every stage's group, in
+    the same order, as torch.distributed requires."""
+    if pp == 1:
+        return None
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+    return groups[stage]
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest of every rank's `value` (`device`: where the backend reduces)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
+
+
 @dataclass
 class GroupCollectives:
     """This rank's view of its tensor-parallel group."""

@@ -1,11 +1,13 @@
-"""The executor that runs the worker(s) in child processes: one per tensor-parallel rank.
+"""The executor that runs the worker(s) in child processes: one per rank (tensor-parallel
+ranks times pipeline stages).
 
 Each child is spawned (a fresh interpreter: nothing of the engine's state is
 inherited), joins the ranks' process group (a rendezvous on a free local port), builds
 its Worker from the config, and then serves calls over a pipe: each call is (method,
 arguments) of plain data and gets one reply, in order. Every call goes to every rank
 (they run the same step on their shards, in lockstep through their collectives); the
-engine uses rank 0's answer, which every rank computes alike. With one worker the
+engine uses the answer of the last pipeline stage's first rank (rank 0 without a
+pipeline), which every rank of that stage computes alike. With one worker the
 output is token-identical to the in-process executor; with several, to one rank up to
 the reassociation of the sums.
 
@@ -101,8 +103,10 @@ class MultiprocessExecutor(Executor):
             self._processes.append(process)
         # Executors dropped without shutdown() still stop their workers.
         weakref.finalize(self, _terminate, list(self._processes))
+        # The last stage samples; its ranks agree, as do all ranks without a pipeline.
+        self._answering = world - config.parallel.tensor_parallel_size
         infos = self._wait_all()
-        self.info = infos[0]
+        self.info = infos[self._answering]
         self.rank_memory = tuple(info.memory for info in infos)
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -113,7 +117,7 @@ class MultiprocessExecutor(Executor):
                 conn.send((method, args))
         except OSError:
             self._died()
-        return self._wait_all()[0]
+        return self._wait_all()[self._answering]
 
     def _wait_all(self) -> list[Any]:
         """Every rank's reply (raising the first error), checking that none died."""

@@ -154,15 +154,23 @@ class LlamaForCausalLM(nn.Module):
         return self.model.embed_tokens(input_ids)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                attention: AttentionContext) -> torch.Tensor:
-        """Final hidden states [T, hidden] for a flattened batch of T tokens."""
-        hidden = self.embed(input_ids)
+                attention: AttentionContext, hidden: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Final hidden states [T, hidden] for a flattened batch of T tokens.
+
+        A pipeline stage (dist/pipeline.py) other than the first is given the previous
+        stage's output as `hidden`; one other than the last has no final norm and
+        returns its last layer's output."""
+        if hidden is None:
+            hidden = self.embed(input_ids)
         rope = self.model.rotary(positions, hidden.dtype)
         group = self.model.group
         hidden = group.split_tokens(hidden)
         for layer in self.model.layers:
             hidden = layer(rope, hidden, attention)
-        return group.gather_tokens(self.model.norm(hidden))
+        if self.model.norm is not None:
+            hidden = self.model.norm(hidden)
+        return group.gather_tokens(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

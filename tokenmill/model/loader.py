@@ -8,7 +8,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
@@ -128,16 +128,39 @@ def linear_weight_formats(model_dir: str | Path) -> dict[str, set[str]]:
     return formats
 
 
+class ModelPart(Protocol):
+    """A part of the model to build instead of all of it (a pipeline stage,
+    dist/pipeline.py): its geometry, the modules it drops, the tensors it holds."""
+
+    def arch(self, arch: ArchConfig) -> ArchConfig: ...
+
+    def prune(self, model: torch.nn.Module) -> None: ...
+
+    def local_name(self, name: str, tied: bool) -> str | None: ...
+
+
+def _stage_weights(weights: Iterator[tuple[str, torch.Tensor | BlockTensor]],
+                   stage: ModelPart, tied: bool
+                   ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+    """The checkpoint tensors a pipeline stage holds, under its own layer numbers."""
+    for name, tensor in weights:
+        local = stage.local_name(name, tied)
+        if local is not None:
+            yield local, tensor
+
+
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, progress: bool = True,
                select_linear: LinearSelector | None = None,
-               group: Collectives = SINGLE_RANK) -> LoadedModel:
+               group: Collectives = SINGLE_RANK,
+               stage: ModelPart | None = None) -> LoadedModel:
     """Build the model for a checkpoint directory and load its weights.
 
     select_linear picks each Linear layer's method (layers/products.py); default:
     torch's own products for the device. With a tensor-parallel group the model is
     built from this rank's geometry and loads its shard (the methods select_linear
-    picks must split the layers: dist/tensor_parallel.py).
+    picks must split the layers: dist/tensor_parallel.py). A pipeline stage builds
+    and loads only its layers (dist/pipeline.py).
     """
     model_dir = Path(model_dir)
     arch = read_config(model_dir)
@@ -146,14 +169,21 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
     torch_dtype = resolve_dtype(dtype, torch_device)
     positions = max_positions or arch.max_position_embeddings
     local_arch = arch.sharded(group.size)
+    if stage is not None:
+        local_arch = stage.arch(local_arch)
     with torch.device("meta"):
         model = model_class(local_arch, positions)
+        if stage is not None:
+            stage.prune(model)
         bind_linear_methods(model, select_linear or ProductPolicy(torch_device).select)
     bind_collectives(model, group)
     model = model.to_empty(device=torch_device).to(torch_dtype)
     # Rotary tables stay in float32 whatever the weights' dtype.
     model.model.rotary.float()
-    loaded = model.load_weights(checkpoint_weights(model_dir, arch, progress))
+    weights = checkpoint_weights(model_dir, arch, progress)
+    if stage is not None:
+        weights = _stage_weights(weights, stage, arch.tie_word_embeddings)
+    loaded = model.load_weights(weights)
     missing = model.expected_weights() - loaded
     if missing:
         raise ValueError(f"checkpoint in {str(model_dir)!r} lacks weights: {sorted(missing)[:8]}")

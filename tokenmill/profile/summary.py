@@ -3,7 +3,8 @@
 The wall time from the first step's start to the last step's end (less any
 torch.profiler export pauses) is split exactly:
 compute (forward and logits, less the collectives in them) + communication (the
-tensor-parallel collectives, as the worker timed them) + host overhead (schedule,
+tensor-parallel collectives and, with pipeline stages, the last stage's wait for the
+previous one, as the worker timed them) + host overhead (schedule,
 transfer to a worker process, input preparation, sampling, output) + idle (gaps
 between steps). The four shares add up to 100%.
 """

@@ -211,7 +211,7 @@ class StepTracer:
                 if phase == "forward" and step.communication_s:
                     # The collectives are spread through the forward; their total is
                     # drawn from its start, on a lane of its own.
-                    events.append({"name": "all-reduce / all-gather", "cat": "communication",
+                    events.append({"name": "collectives / pipeline receive", "cat": "communication",
                                    "ph": "X", "pid": 1, "tid": 2, "ts": us(start),
                                    "dur": round(step.communication_s * 1e6, 3),
                                    "args": {"step": step.index}})

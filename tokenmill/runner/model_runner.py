@@ -84,9 +84,13 @@ class ModelRunner:
                              torch.tensor(positions, dtype=torch.int64, device=device),
                              layout, attention)
 
-    def forward(self, batch: PreparedBatch) -> torch.Tensor:
-        """Final hidden states [T, hidden] of the batch's tokens."""
-        return self.model(batch.token_ids, batch.positions, batch.attention)
+    def forward(self, batch: PreparedBatch, hidden: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        """Final hidden states [T, hidden] of the batch's tokens (a pipeline stage: from
+        the previous stage's `hidden`, its own last layer's output)."""
+        if hidden is None:
+            return self.model(batch.token_ids, batch.positions, batch.attention)
+        return self.model(batch.token_ids, batch.positions, batch.attention, hidden)
 
     def kv_cache_bytes(self) -> int:
         return sum(cache.nbytes for cache in self.kv_caches)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.dist.pipeline import PipelineStage
 from tokenmill.kv.quant import SCALE_DTYPE, is_quantized, storage_dtype
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.products import ProductPolicy, product_policy
@@ -79,12 +80,18 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def target_products(config: EngineConfig, base: ProductPolicy, dtype: torch.dtype
-                    ) -> ProductPolicy:
+def target_products(config: EngineConfig, base: ProductPolicy, dtype: torch.dtype,
+                    stage: PipelineStage | None = None) -> ProductPolicy:
     """The policy the target model loads with: weight quantization and a GGUF file's
-    kept block formats on top of the base policy (which proposers keep)."""
+    kept block formats on top of the base policy (which proposers keep). A pipeline
+    stage's layers are named by their number within it."""
     target = quantized_products(config.quant, base, dtype)
-    return block_products(target, linear_weight_formats(config.model.model), dtype)
+    formats = linear_weight_formats(config.model.model)
+    if stage is not None:
+        tied = read_config(config.model.model).tie_word_embeddings
+        formats = {local.removesuffix(".weight"): kinds for layer, kinds in formats.items()
+                   if (local := stage.local_name(f"{layer}.weight", tied)) is not None}
+    return block_products(target, formats, dtype)
 
 
 def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,

@@ -10,6 +10,7 @@ child process.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,14 +19,21 @@ import torch
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.step import ProposalRequest, StepInput, StepOutput
-from tokenmill.dist.context import GroupCollectives, Rendezvous, init_group
+from tokenmill.dist.context import (
+    GroupCollectives,
+    Rendezvous,
+    init_group,
+    min_over_ranks,
+    stage_group,
+)
+from tokenmill.dist.pipeline import PipelineSends, PipelineStage, micro_batches
 from tokenmill.dist.tensor_parallel import tensor_parallel_selector
 from tokenmill.layers.linear import weight_bytes
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 from tokenmill.layers.products import product_policy
 from tokenmill.model.arch import ArchConfig
-from tokenmill.model.loader import load_model, resolve_device, resolve_dtype
-from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.model.loader import load_model, read_config, resolve_device, resolve_dtype
+from tokenmill.runner.model_runner import ModelRunner, PreparedBatch
 from tokenmill.runner.sampling import StepSampler
 from tokenmill.speculative.factory import build_proposer, proposer_context, proposer_footprint
 from tokenmill.worker.calibration import calibrate
@@ -66,7 +74,8 @@ class Worker:
         one, unless torchrun's environment says otherwise)."""
         mcfg = config.model
         device = resolve_device(mcfg.device)
-        self.group = self._join_group(config, device, rendezvous)
+        self.group, self.stage = self._join_group(config, device, rendezvous)
+        self.sends = PipelineSends(self.stage) if self.stage is not None else None
         # Ranks share the machine's cores (torch's default: all of them, per process).
         threads = mcfg.num_threads or max(1, torch.get_num_threads() // self.group.size)
         torch.set_num_threads(threads)
@@ -74,12 +83,13 @@ class Worker:
         dtype = resolve_dtype(mcfg.dtype, device)
         # Proposers keep the base products: weight quantization applies to the target.
         self.base_products = product_policy(mcfg.cpu_blas, device, dtype)
-        self.products = target_products(config, self.base_products, dtype)
+        self.products = target_products(config, self.base_products, dtype, self.stage)
         self.products.configure_threads(threads)
         loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
                             progress=progress and self.group.rank == 0, group=self.group,
                             select_linear=tensor_parallel_selector(self.products.selector,
-                                                                   self.group))
+                                                                   self.group),
+                            stage=self.stage)
         calibrate(loaded.model, config)  # activation-aware quantization, when configured
         self.arch, self.device, self.dtype = loaded.arch, loaded.device, loaded.dtype
         self.generation_config = loaded.generation_config
@@ -89,6 +99,10 @@ class Worker:
         # A rank's KV pool holds its own KV heads: its geometry sizes the blocks.
         self.kv_plan: KVPlan = plan_kv_blocks(config, loaded.local_arch, loaded.dtype,
                                               loaded.device, proposer_footprint(context))
+        if self.stage is not None:
+            # Stages hold different layers, but one scheduler hands out the blocks.
+            self.kv_plan = dataclasses.replace(
+                self.kv_plan, num_blocks=min_over_ranks(self.kv_plan.num_blocks, device))
         self.runner = ModelRunner(loaded.model, loaded.local_arch, self.kv_plan.num_blocks,
                                   config.cache.block_size, loaded.device, loaded.dtype,
                                   config.cache.kv_cache_dtype,
@@ -101,24 +115,37 @@ class Worker:
         # Distributions the last proposals' sampled drafts were drawn from, by request.
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.memory = self._measure_memory()
+        # Seconds this step waited on the previous pipeline stage or its own sends.
+        self._pipeline_seconds = 0.0
         # Optional step tracer (tokenmill.profile.StepTracer); None costs nothing.
         self.tracer = None
         self._log_start_up()
 
     @staticmethod
-    def _join_group(config: EngineConfig, device: torch.device,
-                    rendezvous: Rendezvous | None) -> Collectives:
+    def _join_group(config: EngineConfig, device: torch.device, rendezvous: Rendezvous | None
+                    ) -> tuple[Collectives, PipelineStage | None]:
+        """This rank's tensor-parallel group and pipeline stage (ranks stage-major)."""
+        parallel = config.parallel
         backend = "nccl" if device.type == "cuda" else "gloo"
         rendezvous = rendezvous or Rendezvous.from_environment(backend)
-        size = config.parallel.tensor_parallel_size
-        if rendezvous is None or size == 1:
-            return SINGLE_RANK
-        if rendezvous.world_size != size:
-            raise ValueError(f"tensor_parallel_size is {size} but the rendezvous has "
+        if rendezvous is None or parallel.world_size == 1:
+            return SINGLE_RANK, None
+        if rendezvous.world_size != parallel.world_size:
+            raise ValueError(f"tensor_parallel_size x pipeline_parallel_size is "
+                             f"{parallel.world_size} but the rendezvous has "
                              f"{rendezvous.world_size} ranks")
         init_group(rendezvous)
-        return GroupCollectives(rendezvous.rank, size, config.parallel.all_reduce,
-                                sequence_parallel=config.parallel.sequence_parallel)
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        stage_index, tp_rank = divmod(rendezvous.rank, tp)
+        group: Collectives = SINGLE_RANK
+        if tp > 1:
+            group = GroupCollectives(tp_rank, tp, parallel.all_reduce,
+                                     group=stage_group(stage_index, tp, pp),
+                                     sequence_parallel=parallel.sequence_parallel)
+        if pp == 1:
+            return group, None
+        num_layers = read_config(config.model.model).num_layers
+        return group, PipelineStage.of(stage_index, pp, num_layers, tp, tp_rank)
 
     def _measure_memory(self) -> MemoryUsage:
         proposer = self.proposer.memory_bytes() if self.proposer is not None else (0, 0)
@@ -147,16 +174,47 @@ class Worker:
                     self.proposer.release(request_id)
             batch = self.runner.prepare(step.requests)
             clock.mark("prepare_inputs")
-            hidden = self.runner.forward(batch)
+            if self.stage is None:
+                hidden = self.runner.forward(batch)
+            else:
+                hidden = self._forward_stage(step, batch)
+                if hidden is None:
+                    return None  # not the last stage: the last one samples and answers
             clock.mark("forward")
             output = self.sampler.run(step.requests, batch, hidden, self._draft_probs)
             if step.keep_hidden_states and self.proposer is not None:
                 self._observe(step, batch.order, batch.query_start, hidden, output)
             clock.mark("sample")
         output.phase_seconds = clock.seconds
+        communication = self._pipeline_seconds
         if isinstance(self.group, GroupCollectives):
-            output.phase_seconds["communication"] = self.group.take_comm_seconds()
+            communication += self.group.take_comm_seconds()
+        if self.group.size > 1 or self.stage is not None:
+            output.phase_seconds["communication"] = communication
         return output
+
+    def _forward_stage(self, step: StepInput, batch: PreparedBatch) -> torch.Tensor | None:
+        """This stage's part of the forward, micro-batch by micro-batch: the hidden
+        states of the whole batch on the last stage, None on the others."""
+        stage, sends = self.stage, self.sends
+        tokens = [len(step.requests[i].token_ids) for i in batch.order]
+        runs = micro_batches(tokens, self.config.parallel.micro_batches)
+        outputs = []
+        for run in runs:
+            # A run of the batch's order is prepared in that order (decodes lead).
+            part = batch if len(runs) == 1 else self.runner.prepare(
+                [step.requests[batch.order[j]] for j in run])
+            hidden = None
+            if not stage.first:
+                hidden = sends.receive(len(part.token_ids), self.arch.hidden_size,
+                                       self.dtype, self.device)
+            hidden = self.runner.forward(part, hidden)
+            if stage.last:
+                outputs.append(hidden)
+            else:
+                sends.send(hidden)
+        self._pipeline_seconds = sends.finish()
+        return torch.cat(outputs) if stage.last else None
 
     def _observe(self, step: StepInput, order: list[int], query_start: list[int],
                  hidden: torch.Tensor, output: StepOutput) -> None:
