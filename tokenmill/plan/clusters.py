@@ -71,6 +71,33 @@ def calibration_path() -> Path:
     return cache / CALIBRATION_FILE
 
 
+def measure_local_device(threads: int = 1) -> tuple[float, float, float]:
+    """(float32 GEMM FLOP/s, copy bandwidth in bytes/s, memory bytes) of one worker
+    process with `threads` threads on this machine: the planner's local "device"."""
+    import time
+
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        source = torch.ones(64 * 2**20 // 4)  # 64 MiB: out of every cache
+        target = torch.empty_like(source)
+        gemm = copy = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            torch.mm(a, b)
+            gemm = min(gemm, time.perf_counter() - started)
+            started = time.perf_counter()
+            target.copy_(source)
+            copy = min(copy, time.perf_counter() - started)
+    finally:
+        torch.set_num_threads(previous)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return 2 * 1024**3 / gemm, 2 * source.nbytes / copy, float(memory)
+
+
 def calibrated_local(flops: float, memory_bandwidth: float, memory: float) -> Cluster | None:
     """This machine as a one-node cluster of processes, its link the backend all-reduce's
     fitted alpha and beta (`tokenmill bench collectives` writes them), or None before

@@ -14,7 +14,13 @@ import dataclasses
 import sys
 
 from tokenmill.model.arch import ArchConfig
-from tokenmill.plan.clusters import CLUSTERS, MODEL_SHAPES, Cluster
+from tokenmill.plan.clusters import (
+    CLUSTERS,
+    MODEL_SHAPES,
+    Cluster,
+    calibrated_local,
+    measure_local_device,
+)
 from tokenmill.plan.collective_cost import Link
 from tokenmill.plan.parallel import Workload, explain, rank_layouts
 
@@ -23,8 +29,10 @@ def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help=f"a model directory or a shape: {', '.join(MODEL_SHAPES)}")
     parser.add_argument("--gpus", type=int, required=True)
-    parser.add_argument("--cluster", choices=sorted(CLUSTERS), default="dgx-a100",
-                        help="preset the flags below override")
+    parser.add_argument("--cluster", choices=sorted(CLUSTERS) + ["local"], default="dgx-a100",
+                        help="preset the flags below override; local: this machine's "
+                             "processes (1 thread each), GEMM rate and bandwidth measured "
+                             "now, links fitted by `tokenmill bench collectives`")
     parser.add_argument("--gpus-per-node", type=int, default=None)
     parser.add_argument("--intra-node", type=_link, default=None, metavar="GB/S,US")
     parser.add_argument("--inter-node", type=_link, default=None, metavar="GB/S,US")
@@ -57,8 +65,16 @@ def model_arch(name: str) -> ArchConfig:
     return read_config(name)
 
 
+def local_cluster() -> Cluster:
+    cluster = calibrated_local(*measure_local_device())
+    if cluster is None:
+        raise ValueError("--cluster local needs the link fits `tokenmill bench collectives` "
+                         "writes; run it on this machine first")
+    return cluster
+
+
 def cluster_from_args(args: argparse.Namespace) -> Cluster:
-    cluster = CLUSTERS[args.cluster]
+    cluster = local_cluster() if args.cluster == "local" else CLUSTERS[args.cluster]
     overrides = {field: value for field, value in (
         ("gpus_per_node", args.gpus_per_node), ("intra_node", args.intra_node),
         ("inter_node", args.inter_node), ("flops", args.device_flops),
