@@ -13,7 +13,9 @@ from transformers import (
     MixtralConfig,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 TOKENIZER_CORPUS = [
@@ -92,6 +94,14 @@ FAMILIES = {
     "qwen3": lambda: Qwen3Config(**_common(head_dim=32)),
     "mixtral": lambda: MixtralConfig(**_common(num_local_experts=4, num_experts_per_tok=2,
                                                sliding_window=None)),
+    # A shared expert, unnormalised top-k weights, and a dense first layer.
+    "qwen2_moe": lambda: Qwen2MoeConfig(**_common(
+        tie_word_embeddings=True, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, norm_topk_prob=False,
+        mlp_only_layers=[0])),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**_common(
+        head_dim=32, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True)),
 }
 
 

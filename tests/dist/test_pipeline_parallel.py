@@ -13,7 +13,8 @@ from tokenmill.engine.engine import LLMEngine
 from .test_tensor_parallel import assert_same, generate
 
 
-@pytest.mark.parametrize("family", ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mixtral",
+                                    "qwen2_moe", "qwen3_moe"])
 def test_two_stages_give_one_ranks_tokens(model_factory, family):
     model_dir = model_factory(family)
     reference, _ = generate(model_dir)

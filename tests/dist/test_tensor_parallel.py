@@ -40,7 +40,8 @@ def assert_same(reference, outputs) -> None:
 # llama_mqa_tied: one KV head for two ranks (replicated) and a tied, vocab-split LM head
 # that doubles as the embedding; qwen2: split q/k/v biases; mixtral: experts split by
 # columns and rows, reduced once per layer.
-@pytest.mark.parametrize("family", ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mixtral",
+                                    "qwen2_moe", "qwen3_moe"])
 def test_two_ranks_give_one_ranks_tokens(model_factory, family):
     model_dir = model_factory(family)
     reference, _ = generate(model_dir)
@@ -53,7 +54,8 @@ def test_two_ranks_give_one_ranks_tokens(model_factory, family):
 # Sequence parallelism moves the norms and residual adds onto each rank's share of the
 # tokens; the sums are the same (a reduce-scatter instead of an all-reduce), so are the
 # tokens. Steps with fewer tokens than ranks (decode of one sequence) pad a share.
-@pytest.mark.parametrize("family", ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "llama_mqa_tied", "qwen2", "qwen3", "mixtral",
+                                    "qwen2_moe", "qwen3_moe"])
 def test_sequence_parallel_gives_one_ranks_tokens(model_factory, family):
     model_dir = model_factory(family)
     reference, _ = generate(model_dir)

@@ -57,7 +57,8 @@ def test_int8_budget_holds_about_four_times_the_fp32_tokens(arch):
     assert all(p.total_bytes <= budget for p in plans.values())
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe",
+                                    "qwen3_moe"])
 def test_parameter_count_matches_the_checkpoint(model_factory, family):
     from tokenmill.model.loader import load_model
 

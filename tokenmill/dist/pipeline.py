@@ -74,7 +74,8 @@ class PipelineStage:
 
     def arch(self, arch: ArchConfig) -> ArchConfig:
         """The geometry of this stage's model: its layers only."""
-        return dataclasses.replace(arch, num_layers=self.end - self.start)
+        return dataclasses.replace(arch, num_layers=self.end - self.start,
+                                   first_layer=self.start)
 
     def local_name(self, name: str, tied: bool) -> str | None:
         """A checkpoint tensor's name in this stage's model, or None: not its own."""

@@ -31,8 +31,13 @@ class Expert(nn.Module):
 
 
 class SparseMoE(nn.Module):
+    """norm_topk_prob: renormalise the top-k router weights to sum to 1 (Mixtral,
+    Qwen3-MoE) or keep the softmax's (Qwen2-MoE's default). shared_intermediate_size:
+    an expert every token goes through, scaled by a sigmoid gate (Qwen2-MoE)."""
+
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
-                 top_k: int) -> None:
+                 top_k: int, norm_topk_prob: bool = True,
+                 shared_intermediate_size: int = 0) -> None:
         super().__init__()
         if num_experts < 1 or not 1 <= top_k <= num_experts:
             raise ValueError("a mixture of experts needs num_experts >= 1 and "
@@ -44,6 +49,13 @@ class SparseMoE(nn.Module):
         self.gate.quantizable = False
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size)
                                      for _ in range(num_experts))
+        self.norm_topk_prob = norm_topk_prob
+        self.shared_expert = self.shared_expert_gate = None
+        if shared_intermediate_size:
+            # Its down projection's partial sums join the experts' in the one reduce.
+            self.shared_expert = Expert(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = Linear(hidden_size, 1)
+            self.shared_expert_gate.quantizable = False
         # The tensor-parallel group (the experts' down projections are reduced here).
         self.group: Collectives = SINGLE_RANK
         # Tokens routed to each expert since the last reset (expert-load statistics).
@@ -54,7 +66,9 @@ class SparseMoE(nn.Module):
         """(weights [T, k], expert ids [T, k]) for each token."""
         probs = self.gate(x).float().softmax(dim=-1)
         weights, experts = probs.topk(self.top_k, dim=-1)
-        return (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), experts
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = self.route(x)
@@ -67,4 +81,6 @@ class SparseMoE(nn.Module):
             tokens, slot = (experts == expert).nonzero(as_tuple=True)
             hidden = self.experts[expert](x[tokens])
             out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.group.reduce_partial(out)

@@ -6,6 +6,18 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+QWEN2_TYPES = ("qwen2", "qwen2_moe")
+QWEN_TYPES = QWEN2_TYPES + ("qwen3", "qwen3_moe")
+
+
+def _dense_layers(cfg: dict[str, Any]) -> tuple[int, ...]:
+    """Qwen-MoE layers with a dense MLP: those listed in mlp_only_layers, and all but
+    every decoder_sparse_step-th."""
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    only = set(cfg.get("mlp_only_layers") or ())
+    return tuple(i for i in range(int(cfg["num_hidden_layers"]))
+                 if i in only or (i + 1) % step)
+
 
 @dataclass(frozen=True)
 class ArchConfig:
@@ -33,6 +45,15 @@ class ArchConfig:
     # Mixture of experts (0 for dense models).
     num_experts: int = 0
     num_experts_per_tok: int = 0
+    # Qwen2-MoE / Qwen3-MoE: each expert's width (0: intermediate_size, Mixtral's), a
+    # shared expert's (0: none), whether the top-k weights are renormalised, and the
+    # layers that keep a dense MLP of intermediate_size.
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
+    # The index of this model's first layer in the whole model (a pipeline stage's).
+    first_layer: int = 0
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @classmethod
@@ -47,7 +68,7 @@ class ArchConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         sliding = cfg.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
+        if model_type in QWEN_TYPES and not cfg.get("use_sliding_window", False):
             sliding = None
         return cls(
             architecture=architectures[0],
@@ -63,18 +84,22 @@ class ArchConfig:
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             rope=_rope_parameters(cfg),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2 always has q/k/v biases and no o_proj bias; the others follow
+            # Qwen2 (and Qwen2-MoE) always has q/k/v biases and no o_proj bias; the others follow
             # attention_bias for all four projections.
-            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
-            o_proj_bias=model_type != "qwen2" and bool(cfg.get("attention_bias", False)),
+            qkv_bias=model_type in QWEN2_TYPES or bool(cfg.get("attention_bias", False)),
+            o_proj_bias=model_type not in QWEN2_TYPES and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=cfg.get("hidden_act", "silu"),
             sliding_window=int(sliding) if sliding else None,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             num_experts=int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0),
             num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0),
+            shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+            dense_layers=_dense_layers(cfg),
             raw=cfg,
         )
 
@@ -88,6 +113,8 @@ class ArchConfig:
         kv_ok = self.num_kv_heads % size == 0 or size % self.num_kv_heads == 0
         splits = {"attention heads": self.num_heads % size == 0, "KV heads": kv_ok,
                   "MLP width": self.intermediate_size % size == 0,
+                  "expert width": self.moe_intermediate_size % size == 0,
+                  "shared expert width": self.shared_expert_intermediate_size % size == 0,
                   "vocabulary": self.vocab_size % size == 0}
         bad = [name for name, ok in splits.items() if not ok]
         if bad:
@@ -97,16 +124,30 @@ class ArchConfig:
         return dataclasses.replace(
             self, num_heads=self.num_heads // size,
             num_kv_heads=max(self.num_kv_heads // size, 1),
-            intermediate_size=self.intermediate_size // size, vocab_size=self.vocab_size // size)
+            intermediate_size=self.intermediate_size // size, vocab_size=self.vocab_size // size,
+            moe_intermediate_size=self.moe_intermediate_size // size,
+            shared_expert_intermediate_size=self.shared_expert_intermediate_size // size)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether decoder layer `layer` (of the whole model) has experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
 
     @property
     def layer_parameters(self) -> int:
-        """Parameters of one decoder layer (attention, MLP or experts and router, norms)."""
+        """Parameters of one decoder layer (attention, MLP or experts and router, norms);
+        a model with dense and sparse layers: its mean layer."""
+        return sum(self.parameters_of_layer(i) for i in range(self.num_layers)) // max(
+            self.num_layers, 1)
+
+    def parameters_of_layer(self, index: int) -> int:
         hidden, inter = self.hidden_size, self.intermediate_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         mlp = 3 * hidden * inter
-        if self.num_experts:
-            mlp = self.num_experts * (mlp + hidden)  # each expert's MLP + its router row
+        if self.is_sparse(self.first_layer + index):
+            expert = 3 * hidden * (self.moe_intermediate_size or inter)
+            mlp = self.num_experts * (expert + hidden)  # each expert's MLP + its router row
+            if self.shared_expert_intermediate_size:  # and its gate
+                mlp += 3 * hidden * self.shared_expert_intermediate_size + hidden
         layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + mlp + 2 * hidden
         if self.qkv_bias:
             layer += q_size + 2 * kv_size
@@ -123,7 +164,8 @@ class ArchConfig:
         """Parameters of the whole decoder (dense or Mixtral MoE), counted from its shape."""
         embed = self.vocab_size * self.hidden_size
         return (embed * (1 if self.tie_word_embeddings else 2)
-                + self.num_layers * self.layer_parameters + self.hidden_size)
+                + sum(self.parameters_of_layer(i) for i in range(self.num_layers))
+                + self.hidden_size)
 
 
 def _rope_parameters(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -112,13 +112,15 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, arch: ArchConfig, max_positions: int,
-                 build_mlp: Callable[[], nn.Module]) -> None:
+                 build_mlp: Callable[[int], nn.Module]) -> None:
         super().__init__()
         # A tied embedding lives in the LM head (see LlamaForCausalLM.embed).
         self.embed_tokens = (None if arch.tie_word_embeddings
                              else VocabParallelEmbedding(arch.vocab_size, arch.hidden_size))
         self.rotary = RotaryEmbedding(arch.head_dim, max_positions, arch.rope)
-        self.layers = nn.ModuleList(DecoderLayer(arch, build_mlp(), index)
+        # build_mlp takes the layer's index in the whole model (a pipeline stage's
+        # layers are numbered from 0 here, from arch.first_layer there).
+        self.layers = nn.ModuleList(DecoderLayer(arch, build_mlp(arch.first_layer + index), index)
                                     for index in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.group: Collectives = SINGLE_RANK
@@ -135,13 +137,14 @@ class LlamaForCausalLM(nn.Module):
         if arch.hidden_act != "silu":
             raise ValueError(f"hidden_act {arch.hidden_act!r} is not supported (only 'silu')")
         self.arch = arch
-        self.model = LlamaModel(arch, max_positions, lambda: self.build_mlp(arch))
+        self.model = LlamaModel(arch, max_positions, lambda layer: self.build_mlp(arch, layer))
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, parallel="vocab")
         # Tied: the LM head's weight is also the embedding table (see embed).
         self.lm_head.keep_weight = arch.tie_word_embeddings
 
     @staticmethod
-    def build_mlp(arch: ArchConfig) -> nn.Module:
+    def build_mlp(arch: ArchConfig, layer: int = 0) -> nn.Module:
+        """The MLP of decoder layer `layer` (of the whole model)."""
         return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
 
     def post_load(self) -> None:

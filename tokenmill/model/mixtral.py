@@ -20,7 +20,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
                       "w3": ("gate_up_proj", "up")}
 
     @staticmethod
-    def build_mlp(arch: ArchConfig) -> nn.Module:
+    def build_mlp(arch: ArchConfig, layer: int = 0) -> nn.Module:
         return SparseMoE(arch.hidden_size, arch.intermediate_size, arch.num_experts,
                          arch.num_experts_per_tok)
 
@@ -31,16 +31,23 @@ class MixtralForCausalLM(LlamaForCausalLM):
     @staticmethod
     def split_checkpoint_tensor(name: str, tensor: torch.Tensor
                                 ) -> Iterable[tuple[str, torch.Tensor]]:
-        """transformers 5 stores each layer's experts fused, [E, 2I, H] gate/up and
-        [E, H, I] down: split into the per-expert w1 / w3 / w2 tensors."""
-        owner, _, param = name.rpartition(".")
-        if not owner.endswith(".experts") or param not in ("gate_up_proj", "down_proj"):
-            yield name, tensor
-            return
-        for expert in range(tensor.shape[0]):
-            if param == "down_proj":
-                yield f"{owner}.{expert}.w2.weight", tensor[expert]
-            else:
-                half = tensor.shape[1] // 2
-                yield f"{owner}.{expert}.w1.weight", tensor[expert, :half]
-                yield f"{owner}.{expert}.w3.weight", tensor[expert, half:]
+        return split_fused_experts(name, tensor, ("w1", "w3", "w2"))
+
+
+def split_fused_experts(name: str, tensor: torch.Tensor, names: tuple[str, str, str]
+                        ) -> Iterable[tuple[str, torch.Tensor]]:
+    """transformers 5 stores each layer's experts fused, [E, 2I, H] gate/up and
+    [E, H, I] down: split them into per-expert tensors named `names` (gate, up,
+    down) as the family's original checkpoints name them."""
+    owner, _, param = name.rpartition(".")
+    if not owner.endswith(".experts") or param not in ("gate_up_proj", "down_proj"):
+        yield name, tensor
+        return
+    gate, up, down = names
+    for expert in range(tensor.shape[0]):
+        if param == "down_proj":
+            yield f"{owner}.{expert}.{down}.weight", tensor[expert]
+        else:
+            half = tensor.shape[1] // 2
+            yield f"{owner}.{expert}.{gate}.weight", tensor[expert, :half]
+            yield f"{owner}.{expert}.{up}.weight", tensor[expert, half:]

@@ -6,6 +6,7 @@ from torch import nn
 
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.mixtral import MixtralForCausalLM
+from tokenmill.model.qwen_moe import QwenMoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
@@ -13,6 +14,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen2MoeForCausalLM": QwenMoeForCausalLM,
+    "Qwen3MoeForCausalLM": QwenMoeForCausalLM,
 }
 
 
