@@ -307,6 +307,8 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     # Micro-batches a step is cut into so that stages overlap (None: one per stage).
     pipeline_micro_batches: int | None = None
+    # MoE models: the window expert-load statistics (imbalance in /metrics) cover.
+    expert_stats_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(self.executor in EXECUTORS, "executor", f"one of {EXECUTORS}", self.executor)
@@ -321,6 +323,9 @@ class ParallelConfig:
                  or (isinstance(self.pipeline_micro_batches, int)
                      and 1 <= self.pipeline_micro_batches <= 64), "pipeline_micro_batches",
                  "None or an integer in [1, 64]", self.pipeline_micro_batches)
+        _require(isinstance(self.expert_stats_window_s, (int, float))
+                 and self.expert_stats_window_s >= 0, "expert_stats_window_s",
+                 "a number of seconds >= 0", self.expert_stats_window_s)
         _require(self.executor != "in-process" or self.world_size == 1, "executor",
                  "'multiprocess' or 'auto' when tensor_parallel_size or "
                  "pipeline_parallel_size > 1", self.executor)

@@ -9,6 +9,7 @@ def add_bench_subcommands(sub: argparse._SubParsersAction) -> None:
     from tokenmill.bench.collectives import add_collectives_arguments
     from tokenmill.bench.compare import add_compare_arguments
     from tokenmill.bench.latency import add_latency_arguments
+    from tokenmill.bench.moe import add_moe_arguments
     from tokenmill.bench.peers import add_peers_arguments
     from tokenmill.bench.serve_load import add_serve_bench_arguments, cmd_bench_serve
     from tokenmill.bench.throughput import add_throughput_arguments
@@ -27,6 +28,9 @@ def add_bench_subcommands(sub: argparse._SubParsersAction) -> None:
         "compare", help="one workload across engine configs and peers; Markdown + PNG report"))
     add_peers_arguments(commands.add_parser(
         "peers", help="detect or install peer engines (transformers, llama.cpp, vLLM)"))
+    add_moe_arguments(commands.add_parser(
+        "moe", help="expert load of a mixture-of-experts model on a workload: imbalance "
+                    "per layer and a heat map"))
     add_collectives_arguments(commands.add_parser(
         "collectives", help="all-reduce latency and bandwidth by algorithm, with an "
                             "alpha-beta fit"))

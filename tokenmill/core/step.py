@@ -99,6 +99,9 @@ class StepOutput:
     # shows when the worker runs in another process. Timing, not a result: two runs of
     # one step compare equal without it.
     phase_seconds: dict[str, float] = field(default_factory=dict, compare=False)
+    # Tokens each MoE layer routed to each of its experts in this step ([] for a dense
+    # model): statistics, not a result.
+    expert_load: list[list[int]] = field(default_factory=list, compare=False)
 
     def output(self, request_id: str) -> RequestStepOutput:
         """The request's entry, created on first use."""

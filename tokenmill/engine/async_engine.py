@@ -138,6 +138,10 @@ class EngineSnapshot:
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
     spec_accepted_by_position: tuple[int, ...] = ()
+    # MoE models: tokens per expert of each layer since start-up, and each layer's
+    # max / mean expert load over the engine's window.
+    expert_tokens: tuple[tuple[int, ...], ...] = ()
+    expert_imbalance: tuple[float, ...] = ()
 
 
 class AsyncLLMEngine:
@@ -376,4 +380,12 @@ class AsyncLLMEngine:
             spec_draft_tokens=stats.spec_draft_tokens,
             spec_accepted_tokens=stats.spec_accepted_tokens,
             spec_verifications=stats.spec_verifications,
-            spec_accepted_by_position=tuple(stats.spec_accepted_by_position))
+            spec_accepted_by_position=tuple(stats.spec_accepted_by_position),
+            **self._expert_snapshot())
+
+    def _expert_snapshot(self) -> dict:
+        load = self.engine.expert_load
+        if not load.totals:
+            return {}
+        return {"expert_tokens": tuple(tuple(layer) for layer in load.totals),
+                "expert_imbalance": tuple(load.imbalance(time.monotonic()))}

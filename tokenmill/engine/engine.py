@@ -19,6 +19,7 @@ from collections.abc import Iterable
 
 from tokenmill.chat import load_tokenizer
 from tokenmill.config import EngineConfig
+from tokenmill.core.expert_load import ExpertLoad
 from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.request import Request
 from tokenmill.core.scheduler import Scheduler, SchedulerOutput
@@ -59,6 +60,8 @@ class LLMEngine:
                                      info.kv_plan.num_blocks, config.cache.block_size,
                                      self.reasoning)
         self.stats = EngineStats()
+        # Tokens per expert of each MoE layer (the workers count them each step).
+        self.expert_load = ExpertLoad(config.parallel.expert_stats_window_s)
         self.speculation = (SpeculativeDriver(config.spec, self.executor.propose,
                                               info.max_model_len, self.stats, info.padded)
                             if info.has_proposer else None)
@@ -158,6 +161,8 @@ class LLMEngine:
         output = self._execute(step)
         if tracer is not None:
             tracer.worker_step(output.phase_seconds)
+        if output.expert_load:
+            self.expert_load.record(output.expert_load, time.monotonic())
         if output.failed:
             sched, step = self._fail_requests(sched, step, output.failed)
         if speculation is not None:

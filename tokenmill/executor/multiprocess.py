@@ -105,11 +105,16 @@ class MultiprocessExecutor(Executor):
         weakref.finalize(self, _terminate, list(self._processes))
         # The last stage samples; its ranks agree, as do all ranks without a pipeline.
         self._answering = world - config.parallel.tensor_parallel_size
+        self._tp, self._stages = (config.parallel.tensor_parallel_size,
+                                  config.parallel.pipeline_parallel_size)
         infos = self._wait_all()
         self.info = infos[self._answering]
         self.rank_memory = tuple(info.memory for info in infos)
 
     def _call(self, method: str, *args: Any) -> Any:
+        return self._call_all(method, *args)[self._answering]
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
         if not self._processes:
             raise WorkerDiedError("a worker process exited earlier; the engine must restart")
         try:
@@ -117,7 +122,7 @@ class MultiprocessExecutor(Executor):
                 conn.send((method, args))
         except OSError:
             self._died()
-        return self._wait_all()[self._answering]
+        return self._wait_all()
 
     def _wait_all(self) -> list[Any]:
         """Every rank's reply (raising the first error), checking that none died."""
@@ -148,7 +153,12 @@ class MultiprocessExecutor(Executor):
         raise WorkerDiedError(f"a worker process exited (exit codes {codes})")
 
     def execute(self, step: StepInput) -> StepOutput:
-        return self._call("execute", step)
+        replies = self._call_all("execute", step)
+        output = replies[self._answering]
+        if self._stages > 1:  # each stage routed its own layers' tokens, in stage order
+            output.expert_load = [layer for stage in replies[::self._tp] if stage is not None
+                                  for layer in stage.expert_load]
+        return output
 
     def propose(self, requests: list[ProposalRequest]) -> list[list[int]]:
         return self._call("propose", requests)

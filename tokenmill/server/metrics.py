@@ -72,6 +72,25 @@ class _EngineCollector(Collector):
         for position, accepted in enumerate(snap.spec_accepted_by_position):
             by_position.add_metric([*values, str(position)], accepted)
         yield by_position
+        if snap.expert_tokens:
+            yield from self._expert_metrics(snap, labels, values)
+
+    def _expert_metrics(self, snap, labels: list[str], values: list[str]) -> Iterator[Metric]:
+        tokens = CounterMetricFamily(PREFIX + "moe_expert_tokens",
+                                     "Tokens routed to each expert of each MoE layer.",
+                                     labels=[*labels, "layer", "expert"])
+        for layer, counts in enumerate(snap.expert_tokens):
+            for expert, count in enumerate(counts):
+                tokens.add_metric([*values, str(layer), str(expert)], count)
+        yield tokens
+        ratio = GaugeMetricFamily(
+            PREFIX + "moe_load_imbalance",
+            "Busiest expert's tokens over the mean expert's, per MoE layer, over the "
+            "engine's window (--expert-stats-window-s; 1 = balanced).",
+            labels=[*labels, "layer"])
+        for layer, value in enumerate(snap.expert_imbalance):
+            ratio.add_metric([*values, str(layer)], value)
+        yield ratio
 
 
 class ServerMetrics:

@@ -29,6 +29,7 @@ from tokenmill.dist.context import (
 from tokenmill.dist.pipeline import PipelineSends, PipelineStage, micro_batches
 from tokenmill.dist.tensor_parallel import tensor_parallel_selector
 from tokenmill.layers.linear import weight_bytes
+from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 from tokenmill.layers.products import product_policy
 from tokenmill.model.arch import ArchConfig
@@ -115,6 +116,9 @@ class Worker:
         # Distributions the last proposals' sampled drafts were drawn from, by request.
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.memory = self._measure_memory()
+        self._moe_layers = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
+        for moe in self._moe_layers:  # built on the meta device: the counts are garbage
+            moe.expert_load.zero_()
         # Seconds this step waited on the previous pipeline stage or its own sends.
         self._pipeline_seconds = 0.0
         # Optional step tracer (tokenmill.profile.StepTracer); None costs nothing.
@@ -178,20 +182,30 @@ class Worker:
                 hidden = self.runner.forward(batch)
             else:
                 hidden = self._forward_stage(step, batch)
-                if hidden is None:
-                    return None  # not the last stage: the last one samples and answers
+                if hidden is None:  # not the last stage: the last one samples and answers
+                    return StepOutput(expert_load=self._take_expert_load())
             clock.mark("forward")
             output = self.sampler.run(step.requests, batch, hidden, self._draft_probs)
             if step.keep_hidden_states and self.proposer is not None:
                 self._observe(step, batch.order, batch.query_start, hidden, output)
             clock.mark("sample")
         output.phase_seconds = clock.seconds
+        output.expert_load = self._take_expert_load()
         communication = self._pipeline_seconds
         if isinstance(self.group, GroupCollectives):
             communication += self.group.take_comm_seconds()
         if self.group.size > 1 or self.stage is not None:
             output.phase_seconds["communication"] = communication
         return output
+
+    def _take_expert_load(self) -> list[list[int]]:
+        """Tokens per expert of each MoE layer since the last call (then zeroed)."""
+        if not self._moe_layers:
+            return []
+        counts = torch.stack([moe.expert_load for moe in self._moe_layers])
+        for moe in self._moe_layers:
+            moe.expert_load.zero_()
+        return counts.tolist()
 
     def _forward_stage(self, step: StepInput, batch: PreparedBatch) -> torch.Tensor | None:
         """This stage's part of the forward, micro-batch by micro-batch: the hidden
