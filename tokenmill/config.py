@@ -307,31 +307,33 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     # Micro-batches a step is cut into so that stages overlap (None: one per stage).
     pipeline_micro_batches: int | None = None
+    # MoE models under TP: each rank holds E / TP whole experts instead of a shard of
+    # every expert; with --sequence-parallel tokens reach them by all-to-all.
+    expert_parallel: bool = False
     # MoE models: the window expert-load statistics (imbalance in /metrics) cover.
     expert_stats_window_s: float = 10.0
 
     def __post_init__(self) -> None:
         _require(self.executor in EXECUTORS, "executor", f"one of {EXECUTORS}", self.executor)
-        _require(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size
-                 <= 64, "tensor_parallel_size", "an integer in [1, 64]", self.tensor_parallel_size)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and 1 <= value <= 64, name, "an integer in [1, 64]",
+                     value)
         _require(self.all_reduce in ALL_REDUCE, "all_reduce", f"one of {ALL_REDUCE}",
                  self.all_reduce)
-        _require(isinstance(self.pipeline_parallel_size, int)
-                 and 1 <= self.pipeline_parallel_size <= 64, "pipeline_parallel_size",
-                 "an integer in [1, 64]", self.pipeline_parallel_size)
         _require(self.pipeline_micro_batches is None
                  or (isinstance(self.pipeline_micro_batches, int)
                      and 1 <= self.pipeline_micro_batches <= 64), "pipeline_micro_batches",
                  "None or an integer in [1, 64]", self.pipeline_micro_batches)
+        for name in ("sequence_parallel", "expert_parallel"):  # they split TP's ranks' work
+            _require(not getattr(self, name) or self.tensor_parallel_size > 1, name,
+                     "off when tensor_parallel_size is 1", getattr(self, name))
         _require(isinstance(self.expert_stats_window_s, (int, float))
                  and self.expert_stats_window_s >= 0, "expert_stats_window_s",
                  "a number of seconds >= 0", self.expert_stats_window_s)
         _require(self.executor != "in-process" or self.world_size == 1, "executor",
                  "'multiprocess' or 'auto' when tensor_parallel_size or "
                  "pipeline_parallel_size > 1", self.executor)
-        _require(not self.sequence_parallel or self.tensor_parallel_size > 1,
-                 "sequence_parallel", "off when tensor_parallel_size is 1 (it splits the "
-                 "tensor-parallel ranks' tokens)", self.sequence_parallel)
 
     @property
     def world_size(self) -> int:

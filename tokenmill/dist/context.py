@@ -81,6 +81,8 @@ class GroupCollectives:
     # Sequence parallelism: ranks hold `chunk` of the step's `tokens` rows each (the
     # last rank's share padded with zero rows), set by split_tokens.
     sequence_parallel: bool = False
+    # Expert parallelism: MoE layers hold E / size whole experts each.
+    expert_parallel: bool = False
     tokens: int = 0
     chunk: int = 0
     # Seconds spent in collectives since the last take_comm_seconds().
@@ -102,6 +104,14 @@ class GroupCollectives:
         dist.all_gather(parts, tensor.contiguous(), group=self.group)
         self.comm_seconds += time.perf_counter() - started
         return torch.cat(parts, dim=-1)
+
+    def all_to_all(self, output: torch.Tensor, tensor: torch.Tensor,
+                   output_splits: list[int], input_splits: list[int]) -> None:
+        """Rows input_splits[r] of `tensor` to rank r; output_splits[r] rows from it."""
+        started = time.perf_counter()
+        dist.all_to_all_single(output, tensor.contiguous(), output_splits, input_splits,
+                               group=self.group)
+        self.comm_seconds += time.perf_counter() - started
 
     def split_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
         if not self.sequence_parallel:

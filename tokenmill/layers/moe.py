@@ -1,6 +1,20 @@
 """A sparse mixture-of-experts MLP: a softmax router picks the top-k experts per token,
 each expert is a gated MLP of `Linear` layers, so every expert runs through the same
-linear methods as the dense projections (packed, quantized or sharded alike)."""
+linear methods as the dense projections (packed, quantized or sharded alike).
+
+Under tensor parallelism every rank holds a column / row shard of every expert and the
+layer's partial sums are reduced once. Under expert parallelism (`expert_range`: this
+rank's experts, whole) each rank holds E / p experts:
+
+- tokens replicated on every rank (no sequence parallelism): each rank runs its own
+  experts on the tokens routed to them and the partial outputs are summed, as under TP;
+- tokens split over the ranks (sequence parallelism): each rank routes its own tokens
+  and sends each (token, expert) pair's row to the expert's rank with one all-to-all,
+  the experts run on what they received, and a second all-to-all brings the rows back
+  to be weighted and summed where the token lives. No all-gather, no reduce.
+
+Rows are summed in ascending expert order per token either way, as on one rank.
+"""
 
 from __future__ import annotations
 
@@ -37,7 +51,8 @@ class SparseMoE(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
                  top_k: int, norm_topk_prob: bool = True,
-                 shared_intermediate_size: int = 0) -> None:
+                 shared_intermediate_size: int = 0,
+                 expert_range: tuple[int, int] | None = None) -> None:
         super().__init__()
         if num_experts < 1 or not 1 <= top_k <= num_experts:
             raise ValueError("a mixture of experts needs num_experts >= 1 and "
@@ -47,15 +62,23 @@ class SparseMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts)
         # Router scores pick experts, and a tiny matrix saves nothing quantized.
         self.gate.quantizable = False
+        # Expert parallelism: this rank holds experts [first, first + count), whole.
+        self.expert_parallel = expert_range is not None
+        self.first_expert, count = expert_range or (0, num_experts)
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size)
-                                     for _ in range(num_experts))
+                                     for _ in range(count))
         self.norm_topk_prob = norm_topk_prob
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
-            # Its down projection's partial sums join the experts' in the one reduce.
+            # Under TP its down projection's partial sums join the experts' in the one
+            # reduce; under EP it is replicated.
             self.shared_expert = Expert(hidden_size, shared_intermediate_size)
             self.shared_expert_gate = Linear(hidden_size, 1)
             self.shared_expert_gate.quantizable = False
+        if self.expert_parallel:  # whole experts: no tensor-parallel split
+            for module in self.modules():
+                if isinstance(module, Linear):
+                    module.parallel = None
         # The tensor-parallel group (the experts' down projections are reduced here).
         self.group: Collectives = SINGLE_RANK
         # Tokens routed to each expert since the last reset (expert-load statistics).
@@ -70,7 +93,14 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), experts
 
+    @property
+    def all_to_all(self) -> bool:
+        """Whether this layer takes its rank's share of the tokens (EP under SP)."""
+        return self.expert_parallel and getattr(self.group, "sequence_parallel", False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.all_to_all:
+            return self._dispatch_combine(x)
         weights, experts = self.route(x)
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
         self.expert_load += counts
@@ -78,9 +108,46 @@ class SparseMoE(nn.Module):
         # Experts in ascending order, tokens in order: the same summation order as the
         # reference implementation, so results match it exactly.
         for expert in counts.nonzero().flatten().tolist():
+            local = expert - self.first_expert
+            if not 0 <= local < len(self.experts):
+                continue  # another rank's (expert parallelism)
             tokens, slot = (experts == expert).nonzero(as_tuple=True)
-            hidden = self.experts[expert](x[tokens])
+            hidden = self.experts[local](x[tokens])
             out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
-        if self.shared_expert is not None:
+        # Replicated under EP: one rank's copy counts in the sum.
+        if self.shared_expert is not None and (not self.expert_parallel or self.group.rank == 0):
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.group.reduce_partial(out)
+
+    def _dispatch_combine(self, x: torch.Tensor) -> torch.Tensor:
+        """Expert parallelism on this rank's share of the tokens (zero-padded rows past
+        the step's tokens are left out): all-to-all to the experts and back."""
+        group = self.group
+        valid = max(0, min(group.chunk, group.tokens - group.rank * group.chunk))
+        out = torch.zeros_like(x)
+        mine = x[:valid]
+        weights, experts = self.route(mine)
+        self.expert_load += torch.bincount(experts.flatten(), minlength=self.num_experts)
+        # (token, slot) pairs by expert, so by destination rank (experts are contiguous).
+        by_expert, pairs = torch.sort(experts.flatten(), stable=True)
+        tokens, slots = pairs // self.top_k, pairs % self.top_k
+        per_rank = self.num_experts // group.size
+        send = torch.bincount(by_expert // per_rank, minlength=group.size)
+        receive = torch.empty_like(send)
+        group.all_to_all(receive, send, [1] * group.size, [1] * group.size)
+        send_splits, receive_splits = send.tolist(), receive.tolist()
+        rows = x.new_empty(sum(receive_splits), x.shape[1])
+        group.all_to_all(rows, mine[tokens], receive_splits, send_splits)
+        ids = by_expert.new_empty(sum(receive_splits))
+        group.all_to_all(ids, by_expert, receive_splits, send_splits)
+        result = torch.empty_like(rows)
+        for local, expert in enumerate(self.experts):
+            (at,) = (ids == self.first_expert + local).nonzero(as_tuple=True)
+            if len(at):
+                result[at] = expert(rows[at])
+        back = torch.empty_like(mine[tokens])
+        group.all_to_all(back, result, send_splits, receive_splits)
+        out[:valid].index_add_(0, tokens, back * weights[tokens, slots, None])
+        if self.shared_expert is not None:
+            out[:valid] += torch.sigmoid(self.shared_expert_gate(mine)) * self.shared_expert(mine)
+        return out

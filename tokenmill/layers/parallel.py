@@ -19,6 +19,8 @@ from torch import nn
 class Collectives(Protocol):
     rank: int
     size: int
+    # MoE layers hold whole experts, E / size each (layers/moe.py), instead of shards.
+    expert_parallel: bool
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the group, in place; returns the tensor."""
@@ -41,6 +43,7 @@ class SingleRank:
 
     rank = 0
     size = 1
+    expert_parallel = False
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor

@@ -54,6 +54,8 @@ class ArchConfig:
     dense_layers: tuple[int, ...] = ()
     # The index of this model's first layer in the whole model (a pipeline stage's).
     first_layer: int = 0
+    # Expert parallelism: the experts this rank holds, whole (first, count); None: all.
+    expert_range: tuple[int, int] | None = None
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @classmethod
@@ -104,12 +106,27 @@ class ArchConfig:
         )
 
 
-    def sharded(self, size: int) -> ArchConfig:
+    def sharded(self, size: int, expert_rank: int | None = None) -> ArchConfig:
         """One tensor-parallel rank's geometry: its heads, MLP columns and vocabulary
         rows (KV heads fewer than ranks are replicated: one per rank). ValueError
-        naming tensor_parallel_size when the model does not split that way."""
+        naming tensor_parallel_size when the model does not split that way.
+
+        expert_rank: expert parallelism; the rank holds experts whole, E / size of them
+        (a shared expert replicated), rather than a column shard of each."""
         if size == 1:
             return self
+        if expert_rank is not None:
+            if not self.num_experts or self.num_experts % size:
+                raise ValueError(f"expert_parallel needs a mixture of experts whose "
+                                 f"{self.num_experts} experts split over "
+                                 f"tensor_parallel_size {size}")
+            per_rank = self.num_experts // size
+            whole = dataclasses.replace(
+                self, moe_intermediate_size=self.moe_intermediate_size or self.intermediate_size,
+                expert_range=(expert_rank * per_rank, per_rank))
+            return dataclasses.replace(
+                whole.sharded(size), moe_intermediate_size=whole.moe_intermediate_size,
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size)
         kv_ok = self.num_kv_heads % size == 0 or size % self.num_kv_heads == 0
         splits = {"attention heads": self.num_heads % size == 0, "KV heads": kv_ok,
                   "MLP width": self.intermediate_size % size == 0,
@@ -145,7 +162,8 @@ class ArchConfig:
         mlp = 3 * hidden * inter
         if self.is_sparse(self.first_layer + index):
             expert = 3 * hidden * (self.moe_intermediate_size or inter)
-            mlp = self.num_experts * (expert + hidden)  # each expert's MLP + its router row
+            held = self.expert_range[1] if self.expert_range else self.num_experts
+            mlp = held * expert + self.num_experts * hidden  # experts + router rows
             if self.shared_expert_intermediate_size:  # and its gate
                 mlp += 3 * hidden * self.shared_expert_intermediate_size + hidden
         layer = hidden * (q_size + 2 * kv_size) + q_size * hidden + mlp + 2 * hidden

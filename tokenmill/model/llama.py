@@ -13,6 +13,7 @@ of the tokens: norms and residual adds run on it, projections on all the tokens.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -26,6 +27,8 @@ from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
 from tokenmill.model.arch import ArchConfig
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 # checkpoint projection -> (fused parameter, shard name)
 STACKED_PARAMS = {
@@ -107,7 +110,10 @@ class DecoderLayer(nn.Module):
                 attention: AttentionContext) -> torch.Tensor:
         x = self.group.gather_tokens(self.input_layernorm(hidden))
         hidden = hidden + self.self_attn(rope, x, attention)
-        return hidden + self.mlp(self.group.gather_tokens(self.post_attention_layernorm(hidden)))
+        x = self.post_attention_layernorm(hidden)
+        if not getattr(self.mlp, "all_to_all", False):  # EP under SP takes its share
+            x = self.group.gather_tokens(x)
+        return hidden + self.mlp(x)
 
 
 class LlamaModel(nn.Module):
@@ -187,8 +193,24 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for checkpoint_name, checkpoint_tensor in weights:
             for name, tensor in self.split_checkpoint_tensor(checkpoint_name, checkpoint_tensor):
-                loaded.add(self._load_tensor(name, tensor))
+                name = self._local_expert(name)
+                if name is not None:
+                    loaded.add(self._load_tensor(name, tensor))
         return loaded
+
+    def _local_expert(self, name: str) -> str | None:
+        """Expert parallelism: an expert's tensor under this rank's number for it, or
+        None when another rank holds it."""
+        if self.arch.expert_range is None:
+            return name
+        match = _EXPERT.search(name)
+        if match is None:
+            return name
+        first, count = self.arch.expert_range
+        local = int(match.group(1)) - first
+        if not 0 <= local < count:
+            return None
+        return f"{name[:match.start(1)]}{local}{name[match.end(1):]}"
 
     def _load_tensor(self, name: str, tensor: torch.Tensor) -> str:
         if "rotary_emb" in name:

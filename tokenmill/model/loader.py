@@ -168,7 +168,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     positions = max_positions or arch.max_position_embeddings
-    local_arch = arch.sharded(group.size)
+    local_arch = arch.sharded(group.size, group.rank if group.expert_parallel else None)
     if stage is not None:
         local_arch = stage.arch(local_arch)
     with torch.device("meta"):

@@ -21,8 +21,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     @staticmethod
     def build_mlp(arch: ArchConfig, layer: int = 0) -> nn.Module:
-        return SparseMoE(arch.hidden_size, arch.intermediate_size, arch.num_experts,
-                         arch.num_experts_per_tok)
+        return SparseMoE(arch.hidden_size, arch.moe_intermediate_size or arch.intermediate_size,
+                         arch.num_experts, arch.num_experts_per_tok,
+                         expert_range=arch.expert_range)
 
     @staticmethod
     def rename_checkpoint_tensor(name: str) -> str:

@@ -145,7 +145,8 @@ class Worker:
         if tp > 1:
             group = GroupCollectives(tp_rank, tp, parallel.all_reduce,
                                      group=stage_group(stage_index, tp, pp),
-                                     sequence_parallel=parallel.sequence_parallel)
+                                     sequence_parallel=parallel.sequence_parallel,
+                                     expert_parallel=parallel.expert_parallel)
         if pp == 1:
             return group, None
         num_layers = read_config(config.model.model).num_layers
@@ -205,6 +206,8 @@ class Worker:
         counts = torch.stack([moe.expert_load for moe in self._moe_layers])
         for moe in self._moe_layers:
             moe.expert_load.zero_()
+        if self._moe_layers[0].all_to_all:  # each rank routed its own share of the tokens
+            self.group.all_reduce(counts)
         return counts.tolist()
 
     def _forward_stage(self, step: StepInput, batch: PreparedBatch) -> torch.Tensor | None:
