@@ -20,6 +20,7 @@ COMMANDS = {
     "bench": ("tokenmill.bench.commands", "add_bench_subcommands"),
     "plan": ("tokenmill.plan.command", "add_plan_subcommand"),
     "profile": ("tokenmill.profile.command", "add_profile_subcommand"),
+    "simulate": ("tokenmill.plan.moe_sim", "add_simulate_subcommand"),
 }
 
 
