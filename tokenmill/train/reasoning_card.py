@@ -113,6 +113,13 @@ def _intro_lines(log: dict) -> list[str]:
     ]
 
 
+def _budget_minutes(log: dict) -> str:
+    """The wall-clock budget the last training stage ran with, in minutes."""
+    stages = log.get("stages") or [{}]
+    seconds = stages[-1].get("max_seconds")
+    return f"{seconds / 60:.0f}" if seconds else "75"
+
+
 def _training_lines(log: dict, config: dict, weights_bytes: int) -> list[str]:
     held_out = log["held_out"]
     return [
@@ -123,7 +130,7 @@ def _training_lines(log: dict, config: dict, weights_bytes: int) -> list[str]:
         f"Tokens seen: {log['tokens_seen']:,} ({log['epochs']:.2f} epochs of "
         f"{log['train_tokens_in_corpus']:,} generated tokens) in {log['steps']} steps; wall time "
         f"{log['train_seconds'] / 60:.1f} min ({log['tokens_per_second']:.0f} tokens/s) on 2 "
-        "CPU cores shared with two other agents' builds and tests, at `nice -n 19`, torch "
+        "CPU cores (at `nice -n 10`, beside the project's own test runs), torch "
         f"{log['torch_version']}, Python {sys.version.split()[0]}. The loss counts every "
         "token, the (unpredictable) programs included.", "",
         "![loss curve](loss_curve.png)", "",
@@ -161,7 +168,7 @@ def _accuracy_lines(card: dict) -> list[str]:
     return lines
 
 
-def _usage_lines(samples: list[dict]) -> list[str]:
+def _usage_lines(samples: list[dict], log: dict) -> list[str]:
     lines = ["## Samples", "", "Greedy, not cherry-picked (the first held-out item of the "
              "level):", ""]
     for sample in samples:
@@ -177,7 +184,7 @@ def _usage_lines(samples: list[dict]) -> list[str]:
         "## Reproduce", "", "```bash",
         "python -m tokenmill.train tokenizer --kind reasoning --out models/pyreason",
         "python -m tokenmill.train model --preset pyreason --tokenizer models/pyreason "
-        "--out models/pyreason --max-minutes 75",
+        f"--out models/pyreason --max-minutes {_budget_minutes(log)}",
         "python -m tokenmill.train card --model models/pyreason",
         "```", "",
     ]
@@ -186,5 +193,5 @@ def _usage_lines(samples: list[dict]) -> list[str]:
 
 def render_reasoning_card(log: dict, config: dict, weights_bytes: int) -> str:
     parts = (_intro_lines(log) + _training_lines(log, config, weights_bytes)
-             + _accuracy_lines(log["card"]) + _usage_lines(log["card"]["samples"]))
+             + _accuracy_lines(log["card"]) + _usage_lines(log["card"]["samples"], log))
     return "\n".join(parts)
