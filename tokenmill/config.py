@@ -87,26 +87,16 @@ class SchedulerConfig:
     max_preemptions_per_request: int = 2
 
     def __post_init__(self) -> None:
-        _require(self.max_num_batched_tokens >= 1, "max_num_batched_tokens", ">= 1",
-                 self.max_num_batched_tokens)
-        _require(self.max_num_seqs >= 1, "max_num_seqs", ">= 1", self.max_num_seqs)
+        for name, least in (("max_num_batched_tokens", 1), ("max_num_seqs", 1),
+                            ("dynamic_chunk_threshold", 1), ("dynamic_max_chunks", 1),
+                            ("starvation_queue_threshold", 0), ("max_admission_skips", 0),
+                            ("fair_admission_passes", 0), ("max_preemptions_per_request", 0)):
+            _require(getattr(self, name) >= least, name, f">= {least}", getattr(self, name))
         _require(self.chunk_policy in CHUNK_POLICIES, "chunk_policy", f"one of {CHUNK_POLICIES}",
                  self.chunk_policy)
         if self.chunk_size is not None:
             _require(self.chunk_size >= 1, "chunk_size", ">= 1", self.chunk_size)
-        _require(self.dynamic_chunk_threshold >= 1, "dynamic_chunk_threshold", ">= 1",
-                 self.dynamic_chunk_threshold)
-        _require(self.dynamic_max_chunks >= 1, "dynamic_max_chunks", ">= 1",
-                 self.dynamic_max_chunks)
-        _require(self.starvation_queue_threshold >= 0, "starvation_queue_threshold", ">= 0",
-                 self.starvation_queue_threshold)
         _require(self.starvation_wait_s > 0, "starvation_wait_s", "> 0", self.starvation_wait_s)
-        _require(self.max_admission_skips >= 0, "max_admission_skips", ">= 0",
-                 self.max_admission_skips)
-        _require(self.fair_admission_passes >= 0, "fair_admission_passes", ">= 0",
-                 self.fair_admission_passes)
-        _require(self.max_preemptions_per_request >= 0, "max_preemptions_per_request", ">= 0",
-                 self.max_preemptions_per_request)
 
     @property
     def prefill_chunk_size(self) -> int:
@@ -142,8 +132,17 @@ class ModelConfig:
     # budgets when the model declares thinking markers (tokenmill/reasoning.py); none:
     # treat its output as plain text.
     reasoning_parser: Literal["auto", "none"] = "auto"
+    # Early exit (CALM-style, runner/early_exit.py): after this many decoder layers a
+    # decode token whose next-token probability through the final norm and LM head
+    # exceeds early_exit_threshold skips the rest (None: off; threshold 1: never).
+    early_exit_layer: int | None = None
+    early_exit_threshold: float = 0.9
 
     def __post_init__(self) -> None:
+        _require(self.early_exit_layer is None or self.early_exit_layer >= 1,
+                 "early_exit_layer", "None or >= 1", self.early_exit_layer)
+        _require(0 <= self.early_exit_threshold <= 1, "early_exit_threshold", "in [0, 1]",
+                 self.early_exit_threshold)
         _require(self.dtype in DTYPES, "dtype", f"one of {DTYPES}", self.dtype)
         _require(self.device in DEVICES, "device", f"one of {DEVICES}", self.device)
         if self.max_model_len is not None:
@@ -298,12 +297,10 @@ class ParallelConfig:
     # Who sums the row-parallel partial products: torch.distributed's own all-reduce,
     # or tokenmill's ring, tree or recursive halving-doubling (tokenmill/dist).
     all_reduce: Literal["backend", "ring", "tree", "rhd"] = "backend"
-    # Megatron sequence parallelism under TP: each all-reduce becomes a reduce-scatter
-    # over tokens and an all-gather before the next projection, so the norms and
-    # residual adds run on 1/TP of the tokens with the same bytes moved.
+    # Megatron SP under TP: reduce-scatter + all-gather instead of each all-reduce;
+    # norms and residual adds on 1/TP of the tokens.
     sequence_parallel: bool = False
-    # Stages the decoder layers are split into (each a group of tensor_parallel_size
-    # ranks): world = tensor_parallel_size * pipeline_parallel_size processes.
+    # Stages of consecutive layers, each of tensor_parallel_size ranks.
     pipeline_parallel_size: int = 1
     # Micro-batches a step is cut into so that stages overlap (None: one per stage).
     pipeline_micro_batches: int | None = None
@@ -355,6 +352,10 @@ class EngineConfig:
     quant: QuantConfig = field(default_factory=QuantConfig)
 
     def __post_init__(self) -> None:
+        if self.model.early_exit_layer is not None:
+            _require(self.parallel.world_size == 1 and self.spec.speculative_method is None,
+                     "early_exit_layer", "None with parallelism or speculative decoding",
+                     self.model.early_exit_layer)
         if self.parallel.pipeline_parallel_size > 1:
             # A stage has neither the target's embedding nor its last hidden states at
             # hand, which the EAGLE head reads; AWQ calibrates on whole-model forwards.

@@ -97,6 +97,11 @@ class AttentionBackend(ABC):
         token's output does not depend on how the batch was chunked.
         """
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, metadata: Any
+                 ) -> None:
+        """Only write k, v into the cache (a layer an early-exited token skips)."""
+        raise NotImplementedError(f"attention backend {self.name!r} cannot write K/V alone")
+
 
 @dataclass
 class AttentionContext:
@@ -111,3 +116,6 @@ class AttentionContext:
                  scale: float) -> torch.Tensor:
         cache = self.kv_caches[layer_index] if self.kv_caches is not None else None
         return self.backend.forward(layer_index, q, k, v, cache, self.metadata, scale)
+
+    def write(self, layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.backend.write_kv(k, v, self.kv_caches[layer_index], self.metadata)

@@ -98,6 +98,10 @@ class PagedAttention(AttentionBackend):
         block_tables = torch.tensor(padded, dtype=torch.int64, device=device)
         return block_tables, group_mask(mask, group), query_len, index
 
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                 metadata: PagedMetadata) -> None:
+        kv_cache.write(k, v, metadata.slot_mapping)
+
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
         kv_cache.write(k, v, metadata.slot_mapping)

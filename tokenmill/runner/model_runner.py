@@ -20,6 +20,7 @@ from tokenmill.core.step import ScheduledRequest
 from tokenmill.kv import KVCache
 from tokenmill.kv.quant import storage_dtype
 from tokenmill.model.arch import ArchConfig
+from tokenmill.runner.early_exit import EarlyExit, forward_with_exits
 
 
 @dataclass
@@ -39,8 +40,13 @@ class PreparedBatch:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ArchConfig, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
-                 kv_cache_dtype: str = "auto", attention_backend: str = "paged") -> None:
+                 kv_cache_dtype: str = "auto", attention_backend: str = "paged",
+                 early_exit: EarlyExit | None = None) -> None:
         self.model = model
+        if early_exit is not None and not 1 <= early_exit.layer < arch.num_layers:
+            raise ValueError(f"early_exit_layer must be in [1, {arch.num_layers - 1}] for "
+                             f"this {arch.num_layers}-layer model, got {early_exit.layer}")
+        self.early_exit = early_exit
         self.arch = arch
         self.block_size = block_size
         self.device = device
@@ -89,6 +95,11 @@ class ModelRunner:
         """Final hidden states [T, hidden] of the batch's tokens (a pipeline stage: from
         the previous stage's `hidden`, its own last layer's output)."""
         if hidden is None:
+            layout = batch.layout
+            if (self.early_exit is not None and layout.num_decode_requests == len(batch.order)
+                    and len(batch.token_ids) == len(batch.order)):  # plain decode tokens
+                return forward_with_exits(self.model, batch.token_ids, batch.positions,
+                                          batch.attention, self.early_exit)
             return self.model(batch.token_ids, batch.positions, batch.attention)
         return self.model(batch.token_ids, batch.positions, batch.attention, hidden)
 

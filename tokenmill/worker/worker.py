@@ -34,6 +34,7 @@ from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 from tokenmill.layers.products import product_policy
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import load_model, read_config, resolve_device, resolve_dtype
+from tokenmill.runner.early_exit import EarlyExit
 from tokenmill.runner.model_runner import ModelRunner, PreparedBatch
 from tokenmill.runner.sampling import StepSampler
 from tokenmill.speculative.factory import build_proposer, proposer_context, proposer_footprint
@@ -107,7 +108,8 @@ class Worker:
         self.runner = ModelRunner(loaded.model, loaded.local_arch, self.kv_plan.num_blocks,
                                   config.cache.block_size, loaded.device, loaded.dtype,
                                   config.cache.kv_cache_dtype,
-                                  config.attention.attention_backend)
+                                  config.attention.attention_backend,
+                                  early_exit(config))
         self.sampler = StepSampler(loaded.model, seed=mcfg.seed)
         if context is not None:
             context.target, context.num_blocks = loaded, self.kv_plan.num_blocks
@@ -271,6 +273,11 @@ class Worker:
     def needs_hidden_states(self) -> bool:
         return self.proposer is not None and self.proposer.needs_hidden_states
 
+
+
+def early_exit(config: EngineConfig) -> EarlyExit | None:
+    layer = config.model.early_exit_layer
+    return None if layer is None else EarlyExit(layer, config.model.early_exit_threshold)
 
 
 class PhaseClock:
