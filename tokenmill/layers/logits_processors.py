@@ -141,7 +141,8 @@ class ThinkingBudget(LogitsProcessor):
     `budget - len(bridge)` tokens, the bridge and the end marker are forced one token
     per position (the bridge is dropped when it does not fit the budget), so the end
     marker comes exactly after `budget` thinking tokens and the model then answers.
-    Before `min_thinking` tokens the end marker's first token is banned. The state is
+    Before `min_thinking` tokens the end marker's first token is banned, and after the
+    thinking has ended a one-token end marker is banned for good. The state is
     recomputed from the output so far at every position, so verification rows (which
     see the drafts before them as output), preemption and prefix caching need nothing
     more."""
@@ -162,6 +163,11 @@ class ThinkingBudget(LogitsProcessor):
         if thinking is None or output is None or not params.controls_thinking:
             return None
         progress = thinking_progress(output, thinking)
+        if progress.ended and len(thinking.end_ids) == 1:
+            # The thinking happens once: a controlled request's answer cannot close it
+            # again (a model cut short by the budget would otherwise go on thinking in
+            # its answer and write the marker there).
+            return cls(banned_token=thinking.end_ids[0])
         if not progress.started or progress.ended:
             return None
         count = progress.num_thinking_tokens
