@@ -70,3 +70,11 @@ def test_simulate_moe_command_reports_scenarios(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "no replication" in out and "least_loaded, window 100 ms" in out
     assert (tmp_path / "moe_sim.png").stat().st_size > 0
+
+
+def test_simulate_moe_rejects_impossible_clusters(capsys):
+    from tokenmill.cli import main
+
+    assert main(["simulate", "moe", "--ranks", "0"]) == 2
+    assert main(["simulate", "moe", "--top-k", "65"]) == 2
+    assert "--top-k" in capsys.readouterr().err

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,6 +21,7 @@ from threadpoolctl import threadpool_limits
 
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.products import product_policy
+from tokenmill.layers.timing import median_seconds
 
 CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
 
@@ -42,16 +41,6 @@ class Ceilings:
 
     def compute_roofline_s(self, flops: float) -> float:
         return flops / (self.matmul_gflops * 1e9)
-
-
-def _median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def packed_product(weight: torch.Tensor) -> Linear | None:
@@ -74,17 +63,17 @@ def measure_bandwidth(threads: int, size_mb: int = 512) -> float:
     packed matrix (all read-bound)."""
     torch.set_num_threads(threads)
     data = torch.randn(size_mb * 2**20 // 4)
-    times = [_median_time(lambda: data.sum(), 7)]
+    times = [median_seconds(lambda: data.sum(), 7)]
     matrix = data.numpy().reshape(-1, 4096)
     vector = np.ones(4096, dtype=np.float32)
     with threadpool_limits(limits=threads, user_api="blas"):
-        times.append(_median_time(lambda: matrix @ vector, 7))
+        times.append(median_seconds(lambda: matrix @ vector, 7))
     packed = packed_product(data.view(-1, 4096))
     if packed is not None:
         del matrix, data
         row = torch.ones(1, 4096)
         with torch.inference_mode():
-            times.append(_median_time(lambda: packed(row), 7))
+            times.append(median_seconds(lambda: packed(row), 7))
     return size_mb * 2**20 / min(times) / 1e9
 
 
@@ -93,14 +82,14 @@ def measure_matmul(threads: int, n: int = 2048) -> tuple[float, float]:
     a packed weight, torch's own)."""
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
-    times = [_median_time(lambda: a @ b, 5)]
+    times = [median_seconds(lambda: a @ b, 5)]
     an, bn = a.numpy(), b.numpy()
     with threadpool_limits(limits=threads, user_api="blas"):
-        times.append(_median_time(lambda: an @ bn, 5))
+        times.append(median_seconds(lambda: an @ bn, 5))
     packed = packed_product(b.t().contiguous())  # computes a @ b
     if packed is not None:
         with torch.inference_mode():
-            times.append(_median_time(lambda: packed(a), 5))
+            times.append(median_seconds(lambda: packed(a), 5))
     return 2 * n**3 / min(times) / 1e9, 2 * n**3 / times[0] / 1e9
 
 

@@ -121,9 +121,10 @@ class ArchConfig:
                                  f"{self.num_experts} experts split over "
                                  f"tensor_parallel_size {size}")
             per_rank = self.num_experts // size
+            # The shared expert is replicated, so its width need not split.
             whole = dataclasses.replace(
                 self, moe_intermediate_size=self.moe_intermediate_size or self.intermediate_size,
-                expert_range=(expert_rank * per_rank, per_rank))
+                shared_expert_intermediate_size=0, expert_range=(expert_rank * per_rank, per_rank))
             return dataclasses.replace(
                 whole.sharded(size), moe_intermediate_size=whole.moe_intermediate_size,
                 shared_expert_intermediate_size=self.shared_expert_intermediate_size)

@@ -176,6 +176,11 @@ def add_simulate_subcommand(sub: argparse._SubParsersAction) -> None:
 def cmd_simulate_moe(args: argparse.Namespace) -> int:
     preset = CLUSTERS[args.cluster]
     try:
+        for name in ("ranks", "ranks_per_node", "experts", "tokens", "steps", "redundant"):
+            if getattr(args, name) < (0 if name == "redundant" else 1):
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+        if not 1 <= args.top_k <= args.experts:
+            raise ValueError("--top-k must be between 1 and --experts")
         cluster = MoeCluster(args.ranks, args.ranks_per_node, preset.intra_node,
                              preset.inter_node)
         workload = MoeWorkload(args.experts, args.top_k, args.tokens, skew=args.skew,

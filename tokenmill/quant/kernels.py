@@ -23,12 +23,11 @@ import json
 import logging
 import os
 import platform
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
+from tokenmill.layers.timing import median_seconds
 from tokenmill.quant.formats import QuantizedWeight, quantize_int4_rtn, quantize_int8
 from tokenmill.quant.packing import LANES, PackedWeight, pack
 
@@ -146,16 +145,6 @@ class KernelTable:
         return out.reshape(*x.shape[:-1], weight.out_features)
 
 
-def _median_seconds(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def sample_weight(bits: int, out_features: int = 2048, in_features: int = 1024,
                   group_size: int = 128) -> PackedWeight:
     """A seeded random weight in a decoder's proportions, quantized and packed."""
@@ -174,7 +163,7 @@ def measure_kernel_table(bits: int) -> KernelTable:
     choices = {}
     for rows in ROW_CLASSES:
         x = torch.randn(rows, weight.in_features, generator=generator)
-        times = {kernel: _median_seconds(
+        times = {kernel: median_seconds(
                      lambda k=kernel, x=x: _KERNEL_FUNCTIONS[k](x, weight, None))
                  for kernel in KERNELS}
         choices[rows] = min(times, key=times.get)
