@@ -23,9 +23,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from tokenmill.dist.eplb import Router, plan_replicas, plan_without_replicas
 from tokenmill.plan.clusters import CLUSTERS
 from tokenmill.plan.collective_cost import Link
-from tokenmill.plan.moe_balance import Router, plan_replicas, plan_without_replicas
 
 
 @dataclass(frozen=True)

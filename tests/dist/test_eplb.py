@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.plan.collective_cost import Link
-from tokenmill.plan.moe_balance import Placement, Router, plan_replicas, plan_without_replicas
+from tokenmill.dist.eplb import Placement, Router, plan_replicas, plan_without_replicas
 from tokenmill.plan.moe_sim import MoeCluster, MoeWorkload, balanced_step, simulate, step_time
 
 

@@ -1,0 +1,117 @@
+"""Replicated experts in the serving engine: the slots and moves a re-plan makes, the
+copy each (token, expert) pair goes to, and, over two worker processes, the same greedy
+tokens as one process whatever the routing policy, with weights moving every step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokenmill.dist.expert_replicas as module
+from tokenmill import LLM
+from tokenmill.dist.eplb import Placement
+from tokenmill.dist.expert_replicas import ExpertReplicas, plan_moves, slot_experts
+from tests.dist.test_tensor_parallel import PARAMS, PROMPTS, assert_same
+
+
+def test_a_replan_keeps_held_experts_in_their_slots():
+    placement = Placement([[0, 1], [0], [0, 1], [1]], num_ranks=2, slots_per_rank=3)
+    placement.check()
+    assert slot_experts(placement) == [[0, 1, 2], [0, 2, 3]]
+    # Rank 0 holds what it held; rank 1 keeps 3 and 0 where they were and takes 2 into
+    # the slot expert 1 leaves.
+    assert slot_experts(placement, [[2, 0, 1], [3, 1, 0]]) == [[2, 0, 1], [3, 2, 0]]
+
+
+def test_moves_come_from_the_lowest_rank_that_held_the_expert():
+    old = [[0, 1], [2, 3]]
+    new = [[0, 3], [2, 3]]
+    # Rank 0's slot 1 now holds expert 3, which rank 1 held in its slot 1.
+    assert plan_moves(old, new) == [(0, 1, 1, 1)]
+    new = [[0, 1], [2, 0]]
+    assert plan_moves(old, new) == [(1, 1, 0, 0)]
+
+
+def test_every_pair_goes_to_a_rank_holding_its_expert():
+    replicas = ExpertReplicas(num_experts=4, size=2, rank=0, redundant=2, policy="round_robin")
+    # Uniform load: the two spare copies go to experts 0 and 1, one on each rank.
+    assert sorted(len(ranks) for ranks in replicas.placement.copies) == [1, 1, 2, 2]
+    experts = torch.tensor([[0, 1], [0, 2], [0, 3], [0, 1]])
+    dest = replicas.destinations(experts, torch.tensor([0, 0, 1, 1]))
+    for expert, rank in zip(experts.flatten().tolist(), dest.flatten().tolist(), strict=True):
+        assert rank in replicas.placement.copies[expert]
+    # Round robin alternates expert 0's four pairs over its two copies.
+    zero = dest[:, 0].tolist()
+    assert sorted(zero) == sorted(replicas.placement.copies[0] * 2)
+
+
+def test_a_hot_expert_gets_the_spare_copies_after_a_rebalance():
+    replicas = ExpertReplicas(num_experts=4, size=2, rank=0, redundant=2, policy="least_loaded")
+    replicas.record([40, 2, 2, 2])
+
+    class Fake:  # what rebalance touches without weights to move: slots only
+        group = None
+
+        def set_slots(self, slots):
+            self.slots = slots
+
+    moves = []
+    real, module._move_weights = module._move_weights, lambda *a: moves.append(a[1])
+    try:
+        fake = Fake()
+        replicas.rebalance(fake)
+    finally:
+        module._move_weights = real
+    assert len(replicas.placement.copies[0]) == 3  # both spares
+    assert fake.slots == replicas.local_slots
+    assert replicas.moves == len(moves[0])
+    # The estimate holds the planned load per rank (two copies of the hot expert on one
+    # rank, one on the other): least-loaded sends a few pairs to the lighter rank, and
+    # pairs beyond the gap to both.
+    estimate = list(replicas.router.estimate)
+    lighter = min(range(2), key=lambda r: estimate[r])
+    dest = replicas.destinations(torch.tensor([[0]] * 4), None).flatten().tolist()
+    assert set(dest) == {lighter}
+    gap = int(abs(estimate[0] - estimate[1]))
+    dest = replicas.destinations(torch.tensor([[0]] * (4 * gap + 40)), None).flatten()
+    assert set(dest.tolist()) == {0, 1}
+    assert replicas.router.estimate == estimate  # a step's charges do not stay
+
+
+def generate(model_dir, **options):
+    llm = LLM(str(model_dir), progress=False, **options)
+    try:
+        return llm.generate(PROMPTS, PARAMS), llm.engine
+    finally:
+        llm.engine.shutdown()
+
+
+# Choosing among identical copies never changes output: every policy, with the copies
+# re-planned (weights moved between the ranks) before every step.
+@pytest.mark.parametrize(("policy", "sequence_parallel"), [
+    ("round_robin", True), ("least_loaded", True), ("locality", True),
+    ("least_loaded", False)])
+def test_replicated_experts_give_one_ranks_tokens(model_factory, policy, sequence_parallel):
+    model_dir = model_factory("mixtral")
+    reference, single = generate(model_dir)
+    outputs, engine = generate(model_dir, tensor_parallel_size=2, expert_parallel=True,
+                               sequence_parallel=sequence_parallel, expert_redundant_slots=2,
+                               expert_routing=policy, expert_balance_window_s=0)
+    assert_same(reference, outputs)
+    assert engine.expert_load.totals == single.expert_load.totals
+    assert engine.expert_moves > 0  # copies did move while serving
+    # Every (token, expert) pair computed once, on some rank.
+    pairs = [sum(layer) for layer in single.expert_load.totals]
+    assert [sum(layer) for layer in engine.rank_load.totals] == pairs
+
+
+def test_replication_knobs_reject_what_cannot_work(model_factory):
+    model_dir = model_factory("mixtral")
+    with pytest.raises(ValueError, match="expert_redundant_slots"):
+        LLM(str(model_dir), progress=False, tensor_parallel_size=2, expert_redundant_slots=2)
+    with pytest.raises(ValueError, match="expert_redundant_slots"):
+        LLM(str(model_dir), progress=False, tensor_parallel_size=2, expert_parallel=True,
+            expert_redundant_slots=2, quantization="int8")
+    with pytest.raises(ValueError, match="fill"):  # 4 + 1 copies do not split over 2
+        LLM(str(model_dir), progress=False, tensor_parallel_size=2, expert_parallel=True,
+            expert_redundant_slots=1)
