@@ -45,37 +45,55 @@ def test_every_pair_goes_to_a_rank_holding_its_expert():
     assert sorted(zero) == sorted(replicas.placement.copies[0] * 2)
 
 
-def test_a_hot_expert_gets_the_spare_copies_after_a_rebalance():
-    replicas = ExpertReplicas(num_experts=4, size=2, rank=0, redundant=2, policy="least_loaded")
-    replicas.record([40, 2, 2, 2])
+class FakeLayer:
+    """What rebalance touches besides the weights: the slots."""
 
-    class Fake:  # what rebalance touches without weights to move: slots only
-        group = None
+    def set_slots(self, slots):
+        self.slots = slots
 
-        def set_slots(self, slots):
-            self.slots = slots
 
+def rebalanced(replicas: ExpertReplicas) -> tuple[FakeLayer, list]:
     moves = []
     real, module._move_weights = module._move_weights, lambda *a: moves.append(a[1])
     try:
-        fake = Fake()
-        replicas.rebalance(fake)
+        layer = FakeLayer()
+        replicas.rebalance(layer)
     finally:
         module._move_weights = real
-    assert len(replicas.placement.copies[0]) == 3  # both spares
-    assert fake.slots == replicas.local_slots
-    assert replicas.moves == len(moves[0])
-    # The estimate holds the planned load per rank (two copies of the hot expert on one
-    # rank, one on the other): least-loaded sends a few pairs to the lighter rank, and
-    # pairs beyond the gap to both.
+    return layer, moves
+
+
+def test_a_hot_expert_gets_the_spare_copies_after_a_rebalance():
+    replicas = ExpertReplicas(num_experts=8, size=4, rank=0, redundant=4, policy="least_loaded")
+    before = replicas.placement
+    loads = [40, 2, 2, 2, 2, 2, 2, 2]
+    replicas.record(loads)
+    layer, moves = rebalanced(replicas)
+    assert len(replicas.placement.copies[0]) > len(before.copies[0])
+    assert max(replicas.placement.rank_loads(loads)) < 0.95 * max(before.rank_loads(loads))
+    assert layer.slots == replicas.local_slots
+    assert replicas.moves == len(moves[0]) > 0
+    # The estimate holds the planned load per rank: least-loaded sends one pair to the
+    # lightest rank holding a copy (the lower on a tie), and pairs beyond the gaps to
+    # every copy's rank.
     estimate = list(replicas.router.estimate)
-    lighter = min(range(2), key=lambda r: estimate[r])
-    dest = replicas.destinations(torch.tensor([[0]] * 4), None).flatten().tolist()
-    assert set(dest) == {lighter}
-    gap = int(abs(estimate[0] - estimate[1]))
-    dest = replicas.destinations(torch.tensor([[0]] * (4 * gap + 40)), None).flatten()
-    assert set(dest.tolist()) == {0, 1}
+    holders = set(replicas.placement.copies[0])
+    lightest = min(holders, key=lambda r: (estimate[r], r))
+    assert replicas.destinations(torch.tensor([[0]]), None).item() == lightest
+    dest = replicas.destinations(torch.tensor([[0]] * 400), None).flatten()
+    assert set(dest.tolist()) == holders
     assert replicas.router.estimate == estimate  # a step's charges do not stay
+
+
+def test_a_replan_that_gains_little_moves_nothing():
+    # Two ranks: a third copy of the hot expert would sit beside another on one rank,
+    # no better than two copies; the plan stays, only the estimate is refreshed.
+    replicas = ExpertReplicas(num_experts=4, size=2, rank=0, redundant=2, policy="least_loaded")
+    before = replicas.placement
+    replicas.record([40, 2, 2, 2])
+    _, moves = rebalanced(replicas)
+    assert moves == [] and replicas.placement is before
+    assert replicas.router.estimate == before.rank_loads([40, 2, 2, 2])
 
 
 def generate(model_dir, **options):

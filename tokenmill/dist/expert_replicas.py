@@ -9,8 +9,11 @@ inputs: the router's state changes only with the tokens it routes and with
 `rebalance`, which the engine orders on the same step for all ranks, from global
 expert counts.
 
-`rebalance` re-plans the copies from the last window's mean load per step. A rank
-keeps the experts it still holds in their slots; a slot given a new expert receives
+`rebalance` re-plans the copies from the last window's mean load per step, and adopts
+the new plan only if it cuts the busiest rank's planned load by at least MIN_GAIN
+(otherwise only the router's estimate is refreshed): planning from scratch reshuffles
+experts between ranks on every small change of load, and each move costs a transfer
+and a kernel rebuild. A rank keeps the experts it still holds in their slots; a slot given a new expert receives
 its weights from the lowest rank that held it, in one all-to-all of flat float
 weights, and rebuilds its kernel form (`Linear.reload`). Copies are exact: a moved
 expert computes what its source did.
@@ -22,6 +25,9 @@ import torch
 
 from tokenmill.dist.eplb import Placement, Router, plan_replicas
 from tokenmill.layers.moe import SparseMoE
+
+# The least relative cut of the busiest rank's planned load a re-plan must bring.
+MIN_GAIN = 0.05
 
 
 def slot_experts(placement: Placement, previous: list[list[int]] | None = None
@@ -111,6 +117,10 @@ class ExpertReplicas:
         loads = [tokens / self.window_steps for tokens in self.window_load]
         self.window_load, self.window_steps = [0] * self.num_experts, 0
         placement = plan_replicas(loads, self.size, self.redundant)
+        if max(placement.rank_loads(loads)) > (1 - MIN_GAIN) * max(
+                self.placement.rank_loads(loads)):
+            self.router.refresh(self.placement.rank_loads(loads))
+            return 0
         slots = slot_experts(placement, self.slots)
         moves = plan_moves(self.slots, slots)
         if moves:

@@ -66,7 +66,7 @@ class LLMEngine:
         # and when the copies were last re-planned.
         self.rank_load = ExpertLoad(config.parallel.expert_stats_window_s)
         self._balanced_at = time.monotonic()
-        self.expert_moves = 0
+        self.expert_moves, self.expert_rebalance_s = 0, 0.0
         self.speculation = (SpeculativeDriver(config.spec, self.executor.propose,
                                               info.max_model_len, self.stats, info.padded)
                             if info.has_proposer else None)
@@ -172,6 +172,7 @@ class LLMEngine:
         if output.rank_load:
             self.rank_load.record(output.rank_load, time.monotonic())
             self.expert_moves += output.expert_moves
+            self.expert_rebalance_s += output.phase_seconds.get("expert_rebalance", 0.0)
         if output.failed:
             sched, step = self._fail_requests(sched, step, output.failed)
         if speculation is not None:
