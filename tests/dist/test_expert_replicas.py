@@ -133,3 +133,54 @@ def test_replication_knobs_reject_what_cannot_work(model_factory):
     with pytest.raises(ValueError, match="fill"):  # 4 + 1 copies do not split over 2
         LLM(str(model_dir), progress=False, tensor_parallel_size=2, expert_parallel=True,
             expert_redundant_slots=1)
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"expert_parallel": True}, {"expert_parallel": True, "expert_redundant_slots": 2}])
+def test_memory_plan_counts_a_ranks_experts_and_replicas(model_factory, options):
+    """`tokenmill plan memory` under TP counts one rank's weights as start-up measures
+    them: a shard of every expert, E / TP whole ones, or (E + R) / TP with replicas."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.worker.memory import plan_deployment_memory
+
+    kwargs = {"model": str(model_factory("mixtral")), "tensor_parallel_size": 2,
+              "num_blocks": 16, **options}
+    engine = LLMEngine.from_kwargs(progress=False, **kwargs)
+    try:
+        measured = engine.executor.rank_memory[0].weights
+    finally:
+        engine.shutdown()
+    plan = plan_deployment_memory(EngineConfig.from_kwargs(**kwargs), context=64,
+                                  concurrency=2, device_memory=10**9)
+    assert plan.weights_bytes == measured
+
+
+def test_the_engine_orders_a_rebalance_once_per_window(monkeypatch):
+    """A fake clock: the first step after each window re-plans, the others do not;
+    window 0 re-plans every step, inf never, and no replicas never."""
+    from types import SimpleNamespace
+
+    import tokenmill.engine.engine as engine_module
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.engine import LLMEngine
+
+    clock = [100.0]
+    monkeypatch.setattr(engine_module.time, "monotonic", lambda: clock[0])
+
+    def steps(window, times, redundant=2):
+        config = EngineConfig.from_kwargs(
+            tensor_parallel_size=2, expert_parallel=redundant > 0,
+            expert_redundant_slots=redundant, expert_balance_window_s=window)
+        fake = SimpleNamespace(config=config, _balanced_at=100.0)
+        due = []
+        for now in times:
+            clock[0] = now
+            due.append(LLMEngine._rebalance_due(fake))
+        return due
+
+    assert steps(0.1, [100.05, 100.11, 100.15, 100.22, 100.25]) == [
+        False, True, False, True, False]
+    assert steps(0.0, [100.0, 100.0, 100.01]) == [True, True, True]
+    assert steps(float("inf"), [1e9]) == [False]
+    assert steps(0.1, [200.0], redundant=0) == [False]
