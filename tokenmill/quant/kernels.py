@@ -21,38 +21,26 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import platform
 from pathlib import Path
 
 import torch
 
-from tokenmill.layers.timing import median_seconds
+from tokenmill.layers.timing import CACHE, cpu_signature, median_seconds
 from tokenmill.quant.formats import QuantizedWeight, quantize_int4_rtn, quantize_int8
 from tokenmill.quant.packing import LANES, PackedWeight, pack
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "qlinear.cpp"
-CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
 KERNELS = ("native", "dequantize")
 # Row-count classes a kernel is chosen for: a product of n rows takes the first class
 # whose bound is >= n (decode at batch 1, small and large decode batches, prefill).
 ROW_CLASSES = (1, 8, 32, 256)
 
 
-def _cpu_signature() -> str:
-    """The CPU model and instruction-set flags (-march=native builds differ by them)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags")
-    return "|".join(next((ln for ln in lines if ln.startswith(w)), "") for w in wanted)
-
-
 def _build_key() -> str:
-    text = SOURCE.read_text() + torch.__version__ + _cpu_signature() + platform.python_version()
+    text = SOURCE.read_text() + torch.__version__ + cpu_signature() + platform.python_version()
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
