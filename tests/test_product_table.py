@@ -71,6 +71,6 @@ def test_tune_measures_a_models_shapes_and_reports(tmp_path, monkeypatch, capsys
 def test_each_candidate_computes_the_product(candidate):
     weight = torch.randn(48, 32)
     x = torch.randn(5, 32)
-    with table.candidate_threads(candidate, 1):
+    with table.candidate_threads(1):
         result = table.product_function(candidate, weight)(x)
     torch.testing.assert_close(result, x @ weight.t(), rtol=1e-4, atol=1e-4)

@@ -29,7 +29,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
 
 def native_decode():
     """The compiled kernel module, or None where it cannot be built."""
-    return build_extension("paged_decode", SOURCE)
+    return build_extension("paged_decode", SOURCE, ("-ffast-math",))
 
 
 class PagedNativeAttention(PagedAttention):

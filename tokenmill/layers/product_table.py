@@ -74,15 +74,13 @@ def product_function(candidate: str, weight: torch.Tensor) -> Callable[[torch.Te
 
 
 @contextlib.contextmanager
-def candidate_threads(candidate: str, threads: int) -> Iterator[None]:
-    """NumPy's BLAS does the products on `threads`, torch's own pool on one (as a step
-    under the numpy policy runs); the others on torch's `threads`."""
+def candidate_threads(threads: int) -> Iterator[None]:
+    """Every candidate's library on `threads` for the whole measurement: switching
+    torch's pool between passes makes oneDNN rebuild its kernels (they are cached per
+    thread count), which once cost it 2.6x at one row in a first version of this."""
     before = torch.get_num_threads()
-    if candidate == "numpy":
-        cpu_blas.set_blas_threads(threads)
-        torch.set_num_threads(1)
-    else:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(threads)
+    cpu_blas.set_blas_threads(threads)
     try:
         yield
     finally:
@@ -94,8 +92,9 @@ def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], threads: int,
             repeats: int = 5, candidates: list[str] | None = None,
             progress: Callable[[str], None] | None = None) -> dict[str, dict[int, float]]:
     """Seconds for one pass of products over `shapes` ([out, in] weights) at each row
-    count, per candidate: the fastest of `repeats` passes after a warm-up, the
-    candidates taking turns, so that a neighbour's burst of work slows them alike."""
+    count, per candidate: the fastest of `repeats` consecutive passes after a warm-up
+    (consecutive: a library's threads spin a while after its call, which would slow
+    the next library's pass), the candidates taking turns per row count."""
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(out, inp, generator=generator) * 0.02 for out, inp in shapes]
     candidates = candidates or available_candidates()
@@ -103,12 +102,11 @@ def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], threads: int,
     out: dict[str, dict[int, float]] = {c: {} for c in candidates}
     for n in rows:
         xs = [torch.randn(n, w.shape[1], generator=generator) for w in weights]
-        for turn in range(repeats + 1):
-            for candidate in candidates:
-                with candidate_threads(candidate, threads):
-                    seconds = one_pass(functions[candidate], xs)
-                if turn:  # the first pass warms up
-                    out[candidate][n] = min(out[candidate].get(n, math.inf), seconds)
+        for candidate in candidates:
+            with candidate_threads(threads):
+                one_pass(functions[candidate], xs)  # warm-up
+                out[candidate][n] = min(one_pass(functions[candidate], xs)
+                                        for _ in range(repeats))
         if progress is not None:
             progress(f"{n} rows: " + ", ".join(f"{c} {out[c][n] * 1e3:.2f} ms"
                                                for c in candidates))

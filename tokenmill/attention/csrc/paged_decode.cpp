@@ -5,13 +5,13 @@
 // that share the KV head walk the request's blocks in its block table, scoring a
 // block's keys, then folding the block into a running softmax (the running maximum,
 // the sum of exponentials and the weighted sum of values, rescaled when the maximum
-// grows), so each key and value is read once, where it lies. float32 throughout.
+// grows), so each key and value is read once, where it lies. float32 throughout;
+// built with -ffast-math for vector exponentials and reassociated dot products.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
 namespace {
@@ -61,8 +61,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
       const int64_t length = length_data[row];
       const float* query = q_data + (row * heads + kv_head * group) * head_dim;
       std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(running_max.begin(), running_max.end(),
-                -std::numeric_limits<float>::infinity());
+      // Finite, not -inf: built with -ffast-math, which assumes no infinities.
+      std::fill(running_max.begin(), running_max.end(), -1e30f);
       std::fill(total.begin(), total.end(), 0.0f);
       for (int64_t start = 0, b = 0; start < length && b < width; start += block_size, ++b) {
         const int64_t block = table_data[row * width + b];
@@ -70,28 +70,35 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
         const int64_t base = (block * block_size * kv_heads + kv_head) * head_dim;
         const float* block_keys = k_data + base;
         const float* block_values = v_data + base;
+        // Each key once, against the G query heads.
+        for (int64_t t = 0; t < count; ++t) {
+          const float* key = block_keys + t * token_stride;
+          for (int64_t g = 0; g < group; ++g)
+            scores[g * block_size + t] = s * dot(query + g * head_dim, key, head_dim);
+        }
         for (int64_t g = 0; g < group; ++g) {
           float* score = scores.data() + g * block_size;
-          float block_max = -std::numeric_limits<float>::infinity();
-          for (int64_t t = 0; t < count; ++t) {
-            score[t] = s * dot(query + g * head_dim, block_keys + t * token_stride, head_dim);
-            block_max = std::max(block_max, score[t]);
-          }
+          float block_max = -1e30f;
+          for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, score[t]);
           const float new_max = std::max(running_max[g], block_max);
-          const float rescale = std::exp(running_max[g] - new_max);  // 0 on the first block
-          float* sum = acc.data() + g * head_dim;
-          if (rescale != 1.0f) {
-#pragma omp simd
-            for (int64_t i = 0; i < head_dim; ++i) sum[i] *= rescale;
-          }
+          const float rescale = std::exp(running_max[g] - new_max);
           float block_total = 0.0f;
-          for (int64_t t = 0; t < count; ++t) {
-            const float p = std::exp(score[t] - new_max);
-            block_total += p;
-            scale_add(sum, block_values + t * token_stride, p, head_dim);
+#pragma omp simd reduction(+ : block_total)
+          for (int64_t t = 0; t < count; ++t) {  // vector exp (libmvec)
+            score[t] = std::exp(score[t] - new_max);
+            block_total += score[t];
           }
+          float* sum = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t i = 0; i < head_dim; ++i) sum[i] *= rescale;
           total[g] = total[g] * rescale + block_total;
           running_max[g] = new_max;
+        }
+        // Each value once, into the G heads' sums.
+        for (int64_t t = 0; t < count; ++t) {
+          const float* value = block_values + t * token_stride;
+          for (int64_t g = 0; g < group; ++g)
+            scale_add(acc.data() + g * head_dim, value, scores[g * block_size + t], head_dim);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
