@@ -48,6 +48,9 @@ def configs(redundant: int) -> list[tuple[str, dict]]:
         *[(f"replicas, least_loaded, window {label}",
            {**replicas, "expert_routing": "least_loaded", "expert_balance_window_s": window})
           for label, window in (("every step", 0.0), ("1 s", 1.0))],
+        ("replicas, least_loaded, window 100 ms, re-plan gain >= 20%",
+         {**replicas, "expert_routing": "least_loaded", "expert_balance_window_s": 0.1,
+          "expert_replan_min_gain": 0.2}),
     ]
 
 

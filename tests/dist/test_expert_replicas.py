@@ -184,3 +184,16 @@ def test_the_engine_orders_a_rebalance_once_per_window(monkeypatch):
     assert steps(0.0, [100.0, 100.0, 100.01]) == [True, True, True]
     assert steps(float("inf"), [1e9]) == [False]
     assert steps(0.1, [200.0], redundant=0) == [False]
+
+
+def test_the_replan_gain_threshold_is_a_knob():
+    # The 4-rank plan of test_a_hot_expert_gets_the_spare_copies_after_a_rebalance cuts
+    # the busiest rank's load by less than 90%: with that threshold nothing moves.
+    replicas = ExpertReplicas(num_experts=8, size=4, rank=0, redundant=4,
+                              policy="least_loaded", min_gain=0.9)
+    before = replicas.placement
+    replicas.record([40, 2, 2, 2, 2, 2, 2, 2])
+    _, moves = rebalanced(replicas)
+    assert moves == [] and replicas.placement is before
+    with pytest.raises(ValueError, match="expert_replan_min_gain"):
+        LLM("unused", progress=False, expert_replan_min_gain=1.0)

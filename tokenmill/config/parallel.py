@@ -47,6 +47,9 @@ class ParallelConfig:
     # are re-planned from the last window's expert load, moving the weights of those
     # that change between ranks, and the routers' load estimate is refreshed.
     expert_balance_window_s: float = 0.1
+    # A re-plan moves weights only if it cuts the busiest rank's planned load by at
+    # least this fraction (otherwise only the load estimate is refreshed).
+    expert_replan_min_gain: float = 0.05
 
     def __post_init__(self) -> None:
         _require(self.executor in EXECUTORS, "executor", f"one of {EXECUTORS}", self.executor)
@@ -71,6 +74,9 @@ class ParallelConfig:
         _require(isinstance(self.expert_balance_window_s, (int, float))
                  and self.expert_balance_window_s >= 0, "expert_balance_window_s",
                  "a number of seconds >= 0 (inf: never re-plan)", self.expert_balance_window_s)
+        _require(isinstance(self.expert_replan_min_gain, (int, float))
+                 and 0 <= self.expert_replan_min_gain < 1, "expert_replan_min_gain",
+                 "a fraction in [0, 1)", self.expert_replan_min_gain)
         _require(isinstance(self.expert_redundant_slots, int)
                  and (self.expert_redundant_slots == 0 or self.expert_parallel
                       and self.expert_redundant_slots > 0 and self.pipeline_parallel_size == 1),

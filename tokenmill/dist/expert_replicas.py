@@ -10,8 +10,8 @@ inputs: the router's state changes only with the tokens it routes and with
 expert counts.
 
 `rebalance` re-plans the copies from the last window's mean load per step, and adopts
-the new plan only if it cuts the busiest rank's planned load by at least MIN_GAIN
-(otherwise only the router's estimate is refreshed): planning from scratch reshuffles
+the new plan only if it cuts the busiest rank's planned load by at least `min_gain`
+(`--expert-replan-min-gain`; otherwise only the router's estimate is refreshed): planning from scratch reshuffles
 experts between ranks on every small change of load, and each move costs a transfer
 and a kernel rebuild. A rank keeps the experts it still holds in their slots; a slot given a new expert receives
 its weights from the lowest rank that held it, in one all-to-all of flat float
@@ -25,9 +25,6 @@ import torch
 
 from tokenmill.dist.eplb import Placement, Router, plan_replicas
 from tokenmill.layers.moe import SparseMoE
-
-# The least relative cut of the busiest rank's planned load a re-plan must bring.
-MIN_GAIN = 0.05
 
 
 def slot_experts(placement: Placement, previous: list[list[int]] | None = None
@@ -68,9 +65,9 @@ class ExpertReplicas:
     """One MoE layer's copies on an expert-parallel group (rank `rank` of `size`)."""
 
     def __init__(self, num_experts: int, size: int, rank: int, redundant: int,
-                 policy: str) -> None:
+                 policy: str, min_gain: float = 0.05) -> None:
         self.num_experts, self.size, self.rank = num_experts, size, rank
-        self.redundant, self.policy = redundant, policy
+        self.redundant, self.policy, self.min_gain = redundant, policy, min_gain
         # Uniform load until one is measured: the first copies go to experts 0, 1, ...
         self.placement = plan_replicas([1.0] * num_experts, size, redundant)
         self.slots = slot_experts(self.placement)
@@ -117,7 +114,7 @@ class ExpertReplicas:
         loads = [tokens / self.window_steps for tokens in self.window_load]
         self.window_load, self.window_steps = [0] * self.num_experts, 0
         placement = plan_replicas(loads, self.size, self.redundant)
-        if max(placement.rank_loads(loads)) > (1 - MIN_GAIN) * max(
+        if max(placement.rank_loads(loads)) > (1 - self.min_gain) * max(
                 self.placement.rank_loads(loads)):
             self.router.refresh(self.placement.rank_loads(loads))
             return 0
@@ -162,9 +159,11 @@ def _move_weights(moe: SparseMoE, moves: list[tuple[int, int, int, int]], rank: 
 class ReplicaSet:
     """Every MoE layer's replicas on this rank: the worker's one handle on them."""
 
-    def __init__(self, num_experts: int, group, redundant: int, policy: str) -> None:
+    def __init__(self, num_experts: int, group, redundant: int, policy: str,
+                 min_gain: float = 0.05) -> None:
         self.group = group
         self.num_experts, self.redundant, self.policy = num_experts, redundant, policy
+        self.min_gain = min_gain
         self.layers: list[tuple[SparseMoE, ExpertReplicas]] = []
         probe = ExpertReplicas(num_experts, group.size, group.rank, redundant, policy)
         # What this rank loads at start-up (every layer starts from the same plan).
@@ -174,7 +173,7 @@ class ReplicaSet:
     def attach(self, layers: list[SparseMoE]) -> None:
         for moe in layers:
             replicas = ExpertReplicas(self.num_experts, self.group.size, self.group.rank,
-                                      self.redundant, self.policy)
+                                      self.redundant, self.policy, self.min_gain)
             moe.replicas = replicas
             self.layers.append((moe, replicas))
 

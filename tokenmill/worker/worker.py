@@ -166,7 +166,7 @@ class Worker:
             return None
         experts = read_config(config.model.model).num_experts
         return ReplicaSet(experts, self.group, parallel.expert_redundant_slots,
-                          parallel.expert_routing)
+                          parallel.expert_routing, parallel.expert_replan_min_gain)
 
     def _measure_memory(self) -> MemoryUsage:
         proposer = self.proposer.memory_bytes() if self.proposer is not None else (0, 0)
