@@ -74,3 +74,15 @@ def test_each_candidate_computes_the_product(candidate):
     with table.candidate_threads(1):
         result = table.product_function(candidate, weight)(x)
     torch.testing.assert_close(result, x @ weight.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_table_is_keyed_by_cpu_torch_and_threads(monkeypatch):
+    base = table.table_path(2)
+    assert table.table_path(1) != base  # another thread count
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert table.table_path(2) != base  # another torch: measured again
+    monkeypatch.undo()
+    monkeypatch.setattr(table, "cpu_signature", lambda: "another CPU|flags avx2")
+    assert table.table_path(2) != base
+    # Ties keep the candidates' order (oneDNN first): the same table, the same choice.
+    assert table.choose({"onednn": {1: 1.0}, "numpy": {1: 1.0}}) == "onednn"
