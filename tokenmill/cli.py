@@ -1,8 +1,8 @@
-"""`tokenmill` command line: generate, serve, bench, plan, profile, train.
+"""`tokenmill` command line: generate, serve, bench, plan, profile, train, quantize.
 
 This module only dispatches: each command's flags and body live in its own module
 (tokenmill/generate.py, server/command.py, bench/commands.py, plan/command.py,
-profile/command.py, train/cli.py); the shared engine and sampling flags are in
+profile/command.py, train/cli.py, quantize.py); the shared engine and sampling flags are in
 tokenmill/arguments.py. Command modules are imported when their command runs.
 """
 
@@ -21,6 +21,7 @@ COMMANDS = {
     "plan": ("tokenmill.plan.command", "add_plan_subcommand"),
     "profile": ("tokenmill.profile.command", "add_profile_subcommand"),
     "simulate": ("tokenmill.plan.moe_sim", "add_simulate_subcommand"),
+    "quantize": ("tokenmill.quantize", "add_quantize_subcommand"),
 }
 
 
