@@ -93,7 +93,8 @@ def check_paths(config: EngineConfig, output: Path) -> Path:
         raise ValueError(f"model: {str(source)!r} is pre-quantized already; quantize its "
                          "float checkpoint")
     if config.parallel.world_size > 1:
-        raise ValueError("tensor_parallel_size: tokenmill quantize runs on one rank")
+        raise ValueError("tensor_parallel_size, pipeline_parallel_size: tokenmill quantize "
+                         "runs on one rank (the saved checkpoint then loads on one rank)")
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise ValueError(f"output: {str(output)!r} exists and is not an empty directory")
     return source

@@ -18,6 +18,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.products import ProductPolicy
+from tokenmill.model.loader import safetensors_files
+from tokenmill.model.prequantized import saved_weights
 from tokenmill.quant.methods import QuantizedLinearMethod
 from tokenmill.quant.saved import SavedLinearMethod
 from tokenmill.quantize import quantize_checkpoint
@@ -203,6 +205,17 @@ def test_quantize_rejects_bad_requests(llama_dir, tmp_path, options, output_exis
 def test_quantizing_a_saved_checkpoint_again_fails(saved_hqq, tmp_path):
     with pytest.raises(ValueError, match="^model: .* is pre-quantized already"):
         saved(saved_hqq, tmp_path / "again", quantization="int8")
+
+
+def test_a_method_that_keeps_no_codes_loads_the_saved_weight_dequantized(saved_hqq, llama_dir):
+    at_load = engine(llama_dir, quantization="int4", quantization_group_size=32,
+                     quantization_method="hqq")
+    reference = linear_layers(at_load)["model.layers.0.mlp.gate_up_proj"].checkpoint_weight()
+    tensors = dict(saved_weights(safetensors_files(saved_hqq), progress=False))
+    gate = tensors["model.layers.0.mlp.gate_proj.weight"]
+    plain = Linear(gate.shape[1], gate.shape[0])  # the plain method: float weights
+    plain.load("weight", gate)
+    assert torch.equal(plain.weight, reference[:gate.shape[0]])
 
 
 def test_codes_without_scales_fail_naming_the_weight(saved_hqq, tmp_path):
