@@ -10,6 +10,7 @@ import shutil
 import pytest
 import torch
 
+from tests.dist.test_tensor_parallel import assert_same, generate
 from tests.engine_run import run_staggered
 from tests.models import TOKENIZER_CORPUS
 from tokenmill import SamplingParams
@@ -101,6 +102,21 @@ def test_saved_checkpoint_loads_the_weights_and_tokens_of_quantizing_at_load(
     assert (run_staggered(loaded, PROMPTS, GREEDY, arrivals=[0, 1, 1, 4])
             == run_staggered(at_load, PROMPTS, GREEDY, arrivals=[0, 1, 1, 4]))
     assert loaded.info.memory.weights == at_load.info.memory.weights
+
+
+def test_pipeline_stages_load_their_layers_of_a_saved_checkpoint(model_factory, tmp_path):
+    """Each stage names its layers by their number within it, and the first stage holds
+    the tied head (the embedding) too: each stage keeps the codes quantizing at load
+    keeps there, and the stages give one rank's tokens."""
+    model_dir, options = model_factory("llama_mqa_tied"), {
+        "quantization": "int4", "quantization_group_size": 32}
+    saved(model_dir, tmp_path / "saved", **options)
+    reference, _ = generate(tmp_path / "saved")
+    outputs, engine = generate(tmp_path / "saved", pipeline_parallel_size=2)
+    assert_same(reference, outputs)
+    _, at_load = generate(model_dir, pipeline_parallel_size=2, **options)
+    assert ([m.weights for m in engine.executor.rank_memory]
+            == [m.weights for m in at_load.executor.rank_memory])
 
 
 def test_saved_file_holds_quarter_or_less_of_the_float_bytes_and_describes_itself(

@@ -110,8 +110,16 @@ def _stage_names(model: str, layers: dict[str, set[str]], stage: PipelineStage |
     if stage is None:
         return layers
     tied = read_config(model).tie_word_embeddings
-    return {local.removesuffix(".weight"): value for layer, value in layers.items()
-            if (local := stage.local_name(f"{layer}.weight", tied)) is not None}
+
+    def local(layer: str) -> str | None:
+        if tied and layer == "lm_head":
+            # The tied head is the embedding table: the first stage holds it too.
+            return layer if stage.local_name("model.embed_tokens.weight", tied) else None
+        name = stage.local_name(f"{layer}.weight", tied)
+        return name.removesuffix(".weight") if name is not None else None
+
+    return {name: value for layer, value in layers.items()
+            if (name := local(layer)) is not None}
 
 
 def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
