@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,10 @@ from tokenmill.speculative.eagle.checkpoint import save_eagle_head
 from tokenmill.speculative.eagle.head import EagleHead, head_arch
 
 torch.set_num_threads(2)
+# --cpu-blas auto takes the static rule in tests (workers inherit it): the same kernels
+# on every run, whatever this host's measured table says (tests/test_product_table.py
+# covers the measured path).
+os.environ.setdefault("TOKENMILL_AUTO_TUNE", "0")
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "chat": set(),
     "core": BASE,
     "kv": set(),
-    "attention": {"kv"},
+    "attention": BASE | {"kv", "layers"},
     "layers": BASE,
     "model": {"layers", "attention", "kv"},
     "dist": BASE | {"layers", "model"},

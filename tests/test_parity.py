@@ -20,9 +20,19 @@ NEW_TOKENS = 32
     "numpy", "torch"])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_and_logprobs_match_transformers(family, cpu_blas, model_factory):
-    model_dir = model_factory(family)
+    check_against_transformers(model_factory(family), cpu_blas=cpu_blas)
+
+
+# Every attention backend beside `paged` (which the test above runs).
+@pytest.mark.parametrize("attention_backend", ["paged-native"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_attention_backends_match_transformers(family, attention_backend, model_factory):
+    check_against_transformers(model_factory(family), attention_backend=attention_backend)
+
+
+def check_against_transformers(model_dir, **options) -> None:
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    llm = LLM(str(model_dir), progress=False, cpu_blas=cpu_blas)
+    llm = LLM(str(model_dir), progress=False, **options)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS,
                             logprobs=5, prompt_logprobs=1)
     outputs = llm.generate(PROMPTS, params)

@@ -1,4 +1,4 @@
-"""`tokenmill` command line: generate, serve, bench, plan, profile, train, quantize.
+"""`tokenmill` command line: generate, serve, bench, plan, profile, simulate, tune, train, quantize.
 
 This module only dispatches: each command's flags and body live in its own module
 (tokenmill/generate.py, server/command.py, bench/commands.py, plan/command.py,
@@ -21,6 +21,7 @@ COMMANDS = {
     "plan": ("tokenmill.plan.command", "add_plan_subcommand"),
     "profile": ("tokenmill.profile.command", "add_profile_subcommand"),
     "simulate": ("tokenmill.plan.moe_sim", "add_simulate_subcommand"),
+    "tune": ("tokenmill.bench.tune", "add_tune_subcommand"),
     "quantize": ("tokenmill.quantize", "add_quantize_subcommand"),
 }
 

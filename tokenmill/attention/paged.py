@@ -47,6 +47,8 @@ class PagedMetadata:
     # of a [D * Q] query grid.
     decode_query_len: int = 1
     decode_query_index: torch.Tensor | None = None
+    # Keys each one-token decode row attends to (paged-native's kernel reads them).
+    decode_lengths: torch.Tensor | None = None
 
 
 class PagedAttention(AttentionBackend):

@@ -61,7 +61,9 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         warm_up(engine)
-        engine.expert_load = ExpertLoad(engine.config.parallel.expert_stats_window_s)
+        window = engine.config.parallel.expert_stats_window_s
+        engine.expert_load, engine.rank_load = ExpertLoad(window), ExpertLoad(window)
+        engine.expert_moves, engine.expert_rebalance_s = 0, 0.0
         run = run_engine_workload(engine, workload, args.max_concurrency, desc="moe")
     finally:
         engine.shutdown()
@@ -79,6 +81,11 @@ def cmd_bench_moe(args: argparse.Namespace) -> int:
     print(f"mean imbalance {sum(r['imbalance'] for r in rows) / len(rows):.2f}; worst layer "
           f"{worst['layer']} at {worst['imbalance']:.2f}: an expert-parallel step there "
           f"would take {worst['imbalance']:.2f}x a balanced one")
+    ranks = engine.rank_load.totals
+    if ranks:  # replicated experts: the balance over ranks they bought
+        print("ranks' (token, expert) pairs per layer, busiest over mean: " + ", ".join(
+            f"{imbalance(layer):.2f}" for layer in ranks) + f"; {engine.expert_moves} "
+            f"expert copies moved in {engine.expert_rebalance_s:.2f} s of re-planning")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "moe.json").write_text(json.dumps(

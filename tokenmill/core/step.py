@@ -78,6 +78,8 @@ class StepInput:
     preempted_request_ids: list[str] = field(default_factory=list)
     # Hand the target's hidden states to a feature-level proposer (EAGLE).
     keep_hidden_states: bool = False
+    # Re-plan replicated experts before this step (every rank on the same step).
+    rebalance_experts: bool = False
 
 
 @dataclass
@@ -102,6 +104,10 @@ class StepOutput:
     # Tokens each MoE layer routed to each of its experts in this step ([] for a dense
     # model): statistics, not a result.
     expert_load: list[list[int]] = field(default_factory=list, compare=False)
+    # With replicated experts: (token, expert) pairs each rank computed, per layer.
+    rank_load: list[list[int]] = field(default_factory=list, compare=False)
+    # Expert copies whose weights moved between ranks before this step (re-planning).
+    expert_moves: int = field(default=0, compare=False)
 
     def output(self, request_id: str) -> RequestStepOutput:
         """The request's entry, created on first use."""

@@ -142,6 +142,8 @@ class EngineSnapshot:
     # max / mean expert load over the engine's window.
     expert_tokens: tuple[tuple[int, ...], ...] = ()
     expert_imbalance: tuple[float, ...] = ()
+    # Replicated experts: the busiest rank's (token, expert) pairs over the mean rank's.
+    rank_imbalance: tuple[float, ...] = ()
 
 
 class AsyncLLMEngine:
@@ -387,5 +389,7 @@ class AsyncLLMEngine:
         load = self.engine.expert_load
         if not load.totals:
             return {}
+        now, ranks = time.monotonic(), self.engine.rank_load
         return {"expert_tokens": tuple(tuple(layer) for layer in load.totals),
-                "expert_imbalance": tuple(load.imbalance(time.monotonic()))}
+                "expert_imbalance": tuple(load.imbalance(now)),
+                "rank_imbalance": tuple(ranks.imbalance(now)) if ranks.totals else ()}

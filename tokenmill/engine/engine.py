@@ -62,6 +62,11 @@ class LLMEngine:
         self.stats = EngineStats()
         # Tokens per expert of each MoE layer (the workers count them each step).
         self.expert_load = ExpertLoad(config.parallel.expert_stats_window_s)
+        # With replicated experts: pairs each rank computed (the balance replicas buy),
+        # and when the copies were last re-planned.
+        self.rank_load = ExpertLoad(config.parallel.expert_stats_window_s)
+        self._balanced_at = time.monotonic()
+        self.expert_moves, self.expert_rebalance_s = 0, 0.0
         self.speculation = (SpeculativeDriver(config.spec, self.executor.propose,
                                               info.max_model_len, self.stats, info.padded)
                             if info.has_proposer else None)
@@ -157,12 +162,17 @@ class LLMEngine:
         keep_hidden = (speculation is not None and speculation.keep_hidden_states(
             sched, self.info.needs_hidden_states))
         step = build_step(sched, self.kv_manager, keep_hidden)
+        step.rebalance_experts = self._rebalance_due()
         started = time.perf_counter()
         output = self._execute(step)
         if tracer is not None:
             tracer.worker_step(output.phase_seconds)
         if output.expert_load:
             self.expert_load.record(output.expert_load, time.monotonic())
+        if output.rank_load:
+            self.rank_load.record(output.rank_load, time.monotonic())
+            self.expert_moves += output.expert_moves
+            self.expert_rebalance_s += output.phase_seconds.get("expert_rebalance", 0.0)
         if output.failed:
             sched, step = self._fail_requests(sched, step, output.failed)
         if speculation is not None:
@@ -178,6 +188,18 @@ class LLMEngine:
         if tracer is not None:
             tracer.end_step()
         return outputs
+
+    def _rebalance_due(self) -> bool:
+        """Whether replicated experts are re-planned before this step: once per
+        --expert-balance-window-s (0: every step), decided here for every rank."""
+        parallel = self.config.parallel
+        if not parallel.expert_redundant_slots:
+            return False
+        now = time.monotonic()
+        if now - self._balanced_at < parallel.expert_balance_window_s:
+            return False
+        self._balanced_at = now
+        return True
 
     def _execute(self, step: StepInput) -> StepOutput:
         """Run the step; if it fails, run its requests one at a time, so that a request

@@ -175,7 +175,9 @@ class OneDNNLinearMethod(PlainLinearMethod):
         return onednn_linear(x, layer.packed_weight, layer.bias)
 
     def checkpoint_weight(self, layer: Linear) -> torch.Tensor:
-        raise ValueError("a oneDNN-packed layer keeps no checkpoint-layout weight")
+        if layer.weight.numel():
+            return layer.weight.detach()
+        return layer.packed_weight.to_dense()  # the packed copy unpacks exactly
 
     def weight_bytes(self, layer: Linear) -> int:
         packed = layer.packed_weight

@@ -73,6 +73,15 @@ class Linear(nn.Module):
                 tensor = tensor.dequantize()
             self.method.load_weight(self, tensor, rows)
 
+    def reload(self, weight: torch.Tensor) -> None:
+        """Replace the whole weight with a checkpoint-layout [out, in] tensor and rebuild
+        the method's kernel form (an expert copy moved between ranks)."""
+        dtype, device = weight.dtype, weight.device
+        self.method.create_weights(self)
+        self.weight.data = self.weight.data.to(dtype=dtype, device=device)
+        self.method.load_weight(self, weight, slice(0, self.out_features))
+        self.method.finalize(self)
+
     def embedding(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the [out, in] matrix: a tied LM head doubles as the token embedding."""
         return self.method.embedding(self, token_ids)

@@ -3,8 +3,10 @@ each expert is a gated MLP of `Linear` layers, so every expert runs through the 
 linear methods as the dense projections (packed, quantized or sharded alike).
 
 Under tensor parallelism every rank holds a column / row shard of every expert and the
-layer's partial sums are reduced once. Under expert parallelism (`expert_range`: this
-rank's experts, whole) each rank holds E / p experts:
+layer's partial sums are reduced once. Under expert parallelism (`expert_slots`: the
+experts this rank holds, whole) each rank holds E / p experts, or (E + R) / p with R
+redundant copies of hot experts (`replicas`, dist/expert_replicas.py: which rank computes
+each (token, expert) pair):
 
 - tokens replicated on every rank (no sequence parallelism): each rank runs its own
   experts on the tokens routed to them and the partial outputs are summed, as under TP;
@@ -43,6 +45,18 @@ class Expert(nn.Module):
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
+    def flat_weights(self) -> torch.Tensor:
+        """Both projections' checkpoint-layout weights, flattened into one tensor."""
+        return torch.cat([self.gate_up_proj.checkpoint_weight().flatten(),
+                          self.down_proj.checkpoint_weight().flatten()])
+
+    def load_flat_weights(self, flat: torch.Tensor) -> None:
+        """The inverse of flat_weights: take another copy's weights (kernels rebuilt)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        first = gate_up.out_features * gate_up.in_features
+        gate_up.reload(flat[:first].view(gate_up.out_features, gate_up.in_features))
+        down.reload(flat[first:].view(down.out_features, down.in_features))
+
 
 class SparseMoE(nn.Module):
     """norm_topk_prob: renormalise the top-k router weights to sum to 1 (Mixtral,
@@ -52,7 +66,7 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int,
                  top_k: int, norm_topk_prob: bool = True,
                  shared_intermediate_size: int = 0,
-                 expert_range: tuple[int, int] | None = None) -> None:
+                 expert_slots: tuple[int, ...] | None = None) -> None:
         super().__init__()
         if num_experts < 1 or not 1 <= top_k <= num_experts:
             raise ValueError("a mixture of experts needs num_experts >= 1 and "
@@ -62,11 +76,13 @@ class SparseMoE(nn.Module):
         self.gate = Linear(hidden_size, num_experts)
         # Router scores pick experts, and a tiny matrix saves nothing quantized.
         self.gate.quantizable = False
-        # Expert parallelism: this rank holds experts [first, first + count), whole.
-        self.expert_parallel = expert_range is not None
-        self.first_expert, count = expert_range or (0, num_experts)
+        # Expert parallelism: slot i of this rank holds expert expert_slots[i], whole.
+        self.expert_parallel = expert_slots is not None
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size)
-                                     for _ in range(count))
+                                     for _ in (expert_slots or range(num_experts)))
+        self.set_slots(tuple(expert_slots or range(num_experts)))
+        # Replicated experts: the copy (rank) each pair goes to (dist/expert_replicas.py).
+        self.replicas = None
         self.norm_topk_prob = norm_topk_prob
         self.shared_expert = self.shared_expert_gate = None
         if shared_intermediate_size:
@@ -84,6 +100,15 @@ class SparseMoE(nn.Module):
         # Tokens routed to each expert since the last reset (expert-load statistics).
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64),
                              persistent=False)
+        # With replicas: (token, expert) pairs each rank computed since the last reset.
+        self.rank_load: torch.Tensor | None = None
+
+    def set_slots(self, expert_slots: tuple[int, ...]) -> None:
+        """What this rank's slots hold (the first slot of an expert held twice serves it)."""
+        self.expert_slots = expert_slots
+        self.slot_of: dict[int, int] = {}
+        for slot, expert in enumerate(expert_slots):
+            self.slot_of.setdefault(expert, slot)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k], expert ids [T, k]) for each token."""
@@ -104,14 +129,24 @@ class SparseMoE(nn.Module):
         weights, experts = self.route(x)
         counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
         self.expert_load += counts
+        dest = None
+        if self.replicas is not None:  # every rank sees every token: homes by chunk
+            homes = torch.arange(len(x)) * self.group.size // max(1, len(x))
+            dest = self.replicas.destinations(experts, homes)
+            self._count_ranks(dest)
         out = torch.zeros_like(x)
         # Experts in ascending order, tokens in order: the same summation order as the
         # reference implementation, so results match it exactly.
         for expert in counts.nonzero().flatten().tolist():
-            local = expert - self.first_expert
-            if not 0 <= local < len(self.experts):
+            local = self.slot_of.get(expert)
+            if local is None:
                 continue  # another rank's (expert parallelism)
-            tokens, slot = (experts == expert).nonzero(as_tuple=True)
+            hit = experts == expert
+            if dest is not None:  # this rank's copy serves only the pairs sent to it
+                hit &= dest == self.group.rank
+            tokens, slot = hit.nonzero(as_tuple=True)
+            if not len(tokens):
+                continue
             hidden = self.experts[local](x[tokens])
             out.index_add_(0, tokens, hidden * weights[tokens, slot, None])
         # Replicated under EP: one rank's copy counts in the sum.
@@ -128,11 +163,18 @@ class SparseMoE(nn.Module):
         mine = x[:valid]
         weights, experts = self.route(mine)
         self.expert_load += torch.bincount(experts.flatten(), minlength=self.num_experts)
-        # (token, slot) pairs by expert, so by destination rank (experts are contiguous).
+        # (token, slot) pairs by expert, then by destination rank (stable: each rank's
+        # pairs stay in expert order).
         by_expert, pairs = torch.sort(experts.flatten(), stable=True)
-        tokens, slots = pairs // self.top_k, pairs % self.top_k
-        per_rank = self.num_experts // group.size
-        send = torch.bincount(by_expert // per_rank, minlength=group.size)
+        if self.replicas is not None:
+            dest = self.replicas.destinations(experts, None).flatten()[pairs]
+            self._count_ranks(dest)
+        else:
+            dest = by_expert // len(self.experts)  # contiguous blocks of experts
+        order = torch.sort(dest, stable=True).indices
+        tokens, slots = pairs[order] // self.top_k, pairs[order] % self.top_k
+        by_expert, dest = by_expert[order], dest[order]
+        send = torch.bincount(dest, minlength=group.size)
         receive = torch.empty_like(send)
         group.all_to_all(receive, send, [1] * group.size, [1] * group.size)
         send_splits, receive_splits = send.tolist(), receive.tolist()
@@ -141,13 +183,21 @@ class SparseMoE(nn.Module):
         ids = by_expert.new_empty(sum(receive_splits))
         group.all_to_all(ids, by_expert, receive_splits, send_splits)
         result = torch.empty_like(rows)
-        for local, expert in enumerate(self.experts):
-            (at,) = (ids == self.first_expert + local).nonzero(as_tuple=True)
+        for expert, local in self.slot_of.items():
+            (at,) = (ids == expert).nonzero(as_tuple=True)
             if len(at):
-                result[at] = expert(rows[at])
+                result[at] = self.experts[local](rows[at])
         back = torch.empty_like(mine[tokens])
         group.all_to_all(back, result, send_splits, receive_splits)
-        out[:valid].index_add_(0, tokens, back * weights[tokens, slots, None])
+        # Back in expert order per token, whichever rank computed a pair.
+        by_pair = torch.empty_like(back)
+        by_pair[order] = back
+        tokens, slots = pairs // self.top_k, pairs % self.top_k
+        out[:valid].index_add_(0, tokens, by_pair * weights[tokens, slots, None])
         if self.shared_expert is not None:
             out[:valid] += torch.sigmoid(self.shared_expert_gate(mine)) * self.shared_expert(mine)
         return out
+
+    def _count_ranks(self, dest: torch.Tensor) -> None:
+        counts = torch.bincount(dest.flatten(), minlength=self.group.size)
+        self.rank_load = counts if self.rank_load is None else self.rank_load + counts

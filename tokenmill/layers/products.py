@@ -2,10 +2,11 @@
 product policy, which picks every Linear's method and says what a step needs around it.
 
     torch   PyTorch's own products: wide layers transposed on the CPU, plain elsewhere
-    onednn  oneDNN on weights packed once at load (`auto` for float32 on the CPU)
-    numpy   NumPy's OpenBLAS (where torch lacks oneDNN); torch's own work then runs on
-            one thread during a step, so the two thread pools never spin against
-            each other (layers/cpu_blas.py)
+    onednn  oneDNN on weights packed once at load
+    numpy   NumPy's OpenBLAS; torch's own work then runs on one thread during a step,
+            so the two thread pools never spin against each other (layers/cpu_blas.py)
+    auto    for float32 on the CPU, whichever of the three was measured fastest on this
+            host (layers/product_table.py: `tokenmill tune`, or a start-up probe)
 
 The registry `LINEAR_METHODS` names every method the policies (and, later, weight
 quantization and tensor parallelism) choose from.
@@ -22,6 +23,7 @@ import torch
 from tokenmill.layers import cpu_blas
 from tokenmill.layers.linear import Linear, LinearSelector
 from tokenmill.layers.linear_method import PLAIN, TRANSPOSED, LinearMethod
+from tokenmill.layers.product_table import auto_choice
 
 LINEAR_METHODS: dict[str, LinearMethod] = {
     method.name: method for method in (PLAIN, TRANSPOSED, cpu_blas.ONEDNN, cpu_blas.NUMPY,
@@ -119,5 +121,7 @@ def product_policy(setting: str, device: torch.device, dtype: torch.dtype) -> Pr
     if not eligible or setting == "torch":
         return ProductPolicy(device)
     if setting == "auto":
-        setting = "onednn" if cpu_blas.onednn_available() else "numpy"
+        setting = auto_choice()
+        if setting == "torch":
+            return ProductPolicy(device)
     return OneDNNProducts(device) if setting == "onednn" else NumpyProducts(device)

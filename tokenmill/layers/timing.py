@@ -1,10 +1,27 @@
-"""Timing a callable for measured choices (kernel tables, machine ceilings)."""
+"""Timing a callable for measured choices (kernel tables, machine ceilings), and what a
+measured choice is keyed by: the CPU, in the cache directory."""
 
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
+
+# Where measured choices (and compiled kernels) are kept between runs.
+CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
+
+
+def cpu_signature() -> str:
+    """The CPU model and instruction-set flags (kernels' speeds and builds differ by them)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    wanted = ("model name", "flags")
+    return "|".join(next((ln for ln in lines if ln.startswith(w)), "") for w in wanted)
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:

@@ -54,8 +54,8 @@ class ArchConfig:
     dense_layers: tuple[int, ...] = ()
     # The index of this model's first layer in the whole model (a pipeline stage's).
     first_layer: int = 0
-    # Expert parallelism: the experts this rank holds, whole (first, count); None: all.
-    expert_range: tuple[int, int] | None = None
+    # Expert parallelism: the expert each of this rank's slots holds, whole; None: all.
+    expert_slots: tuple[int, ...] | None = None
     raw: dict[str, Any] = field(repr=False, default_factory=dict)
 
     @classmethod
@@ -106,13 +106,15 @@ class ArchConfig:
         )
 
 
-    def sharded(self, size: int, expert_rank: int | None = None) -> ArchConfig:
+    def sharded(self, size: int, expert_rank: int | None = None,
+                expert_slots: tuple[int, ...] | None = None) -> ArchConfig:
         """One tensor-parallel rank's geometry: its heads, MLP columns and vocabulary
         rows (KV heads fewer than ranks are replicated: one per rank). ValueError
         naming tensor_parallel_size when the model does not split that way.
 
         expert_rank: expert parallelism; the rank holds experts whole, E / size of them
-        (a shared expert replicated), rather than a column shard of each."""
+        (a shared expert replicated), rather than a column shard of each: a contiguous
+        block, or `expert_slots` (replicas of hot experts, dist/expert_replicas.py)."""
         if size == 1:
             return self
         if expert_rank is not None:
@@ -121,10 +123,12 @@ class ArchConfig:
                                  f"{self.num_experts} experts split over "
                                  f"tensor_parallel_size {size}")
             per_rank = self.num_experts // size
+            slots = expert_slots or tuple(range(expert_rank * per_rank,
+                                                (expert_rank + 1) * per_rank))
             # The shared expert is replicated, so its width need not split.
             whole = dataclasses.replace(
                 self, moe_intermediate_size=self.moe_intermediate_size or self.intermediate_size,
-                shared_expert_intermediate_size=0, expert_range=(expert_rank * per_rank, per_rank))
+                shared_expert_intermediate_size=0, expert_slots=slots)
             return dataclasses.replace(
                 whole.sharded(size), moe_intermediate_size=whole.moe_intermediate_size,
                 shared_expert_intermediate_size=self.shared_expert_intermediate_size)
@@ -163,7 +167,7 @@ class ArchConfig:
         mlp = 3 * hidden * inter
         if self.is_sparse(self.first_layer + index):
             expert = 3 * hidden * (self.moe_intermediate_size or inter)
-            held = self.expert_range[1] if self.expert_range else self.num_experts
+            held = len(self.expert_slots) if self.expert_slots else self.num_experts
             mlp = held * expert + self.num_experts * hidden  # experts + router rows
             if self.shared_expert_intermediate_size:  # and its gate
                 mlp += 3 * hidden * self.shared_expert_intermediate_size + hidden

@@ -193,24 +193,19 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         for checkpoint_name, checkpoint_tensor in weights:
             for name, tensor in self.split_checkpoint_tensor(checkpoint_name, checkpoint_tensor):
-                name = self._local_expert(name)
-                if name is not None:
-                    loaded.add(self._load_tensor(name, tensor))
+                for local in self._local_experts(name):
+                    loaded.add(self._load_tensor(local, tensor))
         return loaded
 
-    def _local_expert(self, name: str) -> str | None:
-        """Expert parallelism: an expert's tensor under this rank's number for it, or
-        None when another rank holds it."""
-        if self.arch.expert_range is None:
-            return name
+    def _local_experts(self, name: str) -> list[str]:
+        """Expert parallelism: an expert's tensor under this rank's slot numbers for it
+        (none when other ranks hold it, several for replicas); other tensors as named."""
         match = _EXPERT.search(name)
-        if match is None:
-            return name
-        first, count = self.arch.expert_range
-        local = int(match.group(1)) - first
-        if not 0 <= local < count:
-            return None
-        return f"{name[:match.start(1)]}{local}{name[match.end(1):]}"
+        if self.arch.expert_slots is None or match is None:
+            return [name]
+        expert = int(match.group(1))
+        return [f"{name[:match.start(1)]}{slot}{name[match.end(1):]}"
+                for slot, held in enumerate(self.arch.expert_slots) if held == expert]
 
     def _load_tensor(self, name: str, tensor: torch.Tensor) -> str:
         if "rotary_emb" in name:

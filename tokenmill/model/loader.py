@@ -174,7 +174,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
                max_positions: int | None = None, progress: bool = True,
                select_linear: LinearSelector | None = None,
                group: Collectives = SINGLE_RANK,
-               stage: ModelPart | None = None) -> LoadedModel:
+               stage: ModelPart | None = None,
+               expert_slots: tuple[int, ...] | None = None) -> LoadedModel:
     """Build the model for a checkpoint directory and load its weights.
 
     select_linear picks each Linear layer's method (layers/products.py); default:
@@ -189,7 +190,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     positions = max_positions or arch.max_position_embeddings
-    local_arch = arch.sharded(group.size, group.rank if group.expert_parallel else None)
+    local_arch = arch.sharded(group.size, group.rank if group.expert_parallel else None,
+                              expert_slots)
     if stage is not None:
         local_arch = stage.arch(local_arch)
     with torch.device("meta"):

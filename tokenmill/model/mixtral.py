@@ -23,7 +23,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def build_mlp(arch: ArchConfig, layer: int = 0) -> nn.Module:
         return SparseMoE(arch.hidden_size, arch.moe_intermediate_size or arch.intermediate_size,
                          arch.num_experts, arch.num_experts_per_tok,
-                         expert_range=arch.expert_range)
+                         expert_slots=arch.expert_slots)
 
     @staticmethod
     def rename_checkpoint_tensor(name: str) -> str:

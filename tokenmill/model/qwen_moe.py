@@ -23,7 +23,7 @@ class QwenMoeForCausalLM(LlamaForCausalLM):
             return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias)
         return SparseMoE(arch.hidden_size, arch.moe_intermediate_size or arch.intermediate_size,
                          arch.num_experts, arch.num_experts_per_tok, arch.norm_topk_prob,
-                         arch.shared_expert_intermediate_size, arch.expert_range)
+                         arch.shared_expert_intermediate_size, arch.expert_slots)
 
     @staticmethod
     def split_checkpoint_tensor(name: str, tensor: torch.Tensor

@@ -10,9 +10,12 @@ dispatch), computed there, and sent back (combine). A step takes
     + replan_s when the router's load estimate is refreshed in this step
 
 with NVLink-class links inside a node and RoCE-class links between nodes (the
-a100-roce preset's published figures). Throughput is reported relative to the same
-step with perfectly balanced experts and uniform traffic. Assumptions, not
-measurements: the expert compute per token, the refresh cost and the drift.
+a100-roce preset's published figures), or this machine's gloo link as `tokenmill bench
+collectives` fitted it (`--cluster local`). Throughput is reported relative to the same
+step with perfectly balanced experts and uniform traffic. Assumptions unless measured:
+the expert compute per token (`--measure-expert` times one expert's shape here; the
+engine's replicas measure the re-planning cost: benchmarks/bench_moe_replicas.py), the
+refresh cost and the drift.
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenmill.plan.clusters import CLUSTERS
+from tokenmill.dist.eplb import Router, plan_replicas, plan_without_replicas
+from tokenmill.plan.clusters import CLUSTERS, calibrated_local
 from tokenmill.plan.collective_cost import Link
-from tokenmill.plan.moe_balance import Router, plan_replicas, plan_without_replicas
 
 
 @dataclass(frozen=True)
@@ -157,8 +160,9 @@ def add_simulate_subcommand(sub: argparse._SubParsersAction) -> None:
                                          "and routing policies on a simulated cluster")
     moe.add_argument("--ranks", type=int, default=32)
     moe.add_argument("--ranks-per-node", type=int, default=8)
-    moe.add_argument("--cluster", choices=sorted(CLUSTERS), default="a100-roce",
-                     help="the links (intra- and inter-node) of this preset")
+    moe.add_argument("--cluster", choices=[*sorted(CLUSTERS), "local"], default="a100-roce",
+                     help="the links (intra- and inter-node) of this preset; local: this "
+                          "machine's gloo link as `tokenmill bench collectives` fitted it")
     moe.add_argument("--experts", type=int, default=64)
     moe.add_argument("--top-k", type=int, default=2)
     moe.add_argument("--tokens", type=int, default=4096, help="per rank per step")
@@ -168,23 +172,67 @@ def add_simulate_subcommand(sub: argparse._SubParsersAction) -> None:
     moe.add_argument("--replan-ms", type=float, default=2.0,
                      help="cost of refreshing the router's load estimate (an assumption)")
     moe.add_argument("--steps", type=int, default=200)
+    moe.add_argument("--expert-token-us", type=float, default=None,
+                     help="expert compute per (token, expert) pair (default 0.9 us: an "
+                          "assumption, Mixtral-size experts at ~400 TFLOP/s)")
+    moe.add_argument("--measure-expert", default=None, metavar="HIDDEN,INTERMEDIATE",
+                     help="measure the per-pair compute of one gated-MLP expert of this "
+                          "shape on this machine's threads and use it")
     moe.add_argument("--out", type=Path, default=None, help="folder for moe_sim.json / .png")
     moe.add_argument("--log-level", default="warning")
     moe.set_defaults(func=cmd_simulate_moe)
 
 
+def _links(cluster: str) -> tuple[Link, Link]:
+    """(intra-node, inter-node) links of a preset, or this machine's fitted gloo link."""
+    if cluster != "local":
+        return CLUSTERS[cluster].intra_node, CLUSTERS[cluster].inter_node
+    local = calibrated_local(0.0, 0.0, 0.0)
+    if local is None:
+        raise ValueError("--cluster local needs `tokenmill bench collectives` run on this "
+                         "machine first (it fits the link)")
+    return local.intra_node, local.inter_node
+
+
+def measure_expert_token_s(hidden: int, intermediate: int, rows: int) -> float:
+    """Seconds per row of one float32 gated-MLP expert (gate/up, SiLU, down) on `rows`
+    rows, best of 5 after a warm-up, on torch's current threads."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    gate_up = torch.randn(2 * intermediate, hidden) / hidden**0.5
+    down = torch.randn(hidden, intermediate) / intermediate**0.5
+    x = torch.randn(rows, hidden)
+    best = float("inf")
+    for _ in range(6):
+        started = time.perf_counter()
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        F.linear(F.silu(gate) * up, down)
+        best = min(best, time.perf_counter() - started)
+    return best / rows
+
+
 def cmd_simulate_moe(args: argparse.Namespace) -> int:
-    preset = CLUSTERS[args.cluster]
     try:
         for name in ("ranks", "ranks_per_node", "experts", "tokens", "steps", "redundant"):
             if getattr(args, name) < (0 if name == "redundant" else 1):
                 raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
         if not 1 <= args.top_k <= args.experts:
             raise ValueError("--top-k must be between 1 and --experts")
-        cluster = MoeCluster(args.ranks, args.ranks_per_node, preset.intra_node,
-                             preset.inter_node)
+        cluster = MoeCluster(args.ranks, args.ranks_per_node, *_links(args.cluster))
+        expert_s = MoeWorkload.expert_token_s
+        if args.measure_expert:
+            hidden, intermediate = (int(v) for v in args.measure_expert.split(","))
+            rows = max(1, args.tokens * args.top_k // args.experts)
+            expert_s = measure_expert_token_s(hidden, intermediate, rows)
+            print(f"measured: {expert_s * 1e6:.3f} us per (token, expert) pair for a "
+                  f"{hidden} x {intermediate} expert at {rows} rows")
+        elif args.expert_token_us is not None:
+            expert_s = args.expert_token_us / 1e6
         workload = MoeWorkload(args.experts, args.top_k, args.tokens, skew=args.skew,
-                               steps=args.steps)
+                               steps=args.steps, expert_token_s=expert_s)
         windows = [float(w) / 1e3 for w in args.windows_ms.split(",")]
         rows = scenarios(cluster, workload, args.redundant, windows, args.replan_ms / 1e3)
     except ValueError as exc:

@@ -17,65 +17,30 @@ cached per CPU, torch version and thread count), not assumed from one host.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import logging
-import os
-import platform
 from pathlib import Path
 
 import torch
 
-from tokenmill.layers.timing import median_seconds
+from tokenmill.layers.native import build_extension, build_key
+from tokenmill.layers.timing import CACHE, median_seconds
 from tokenmill.quant.formats import QuantizedWeight, quantize_int4_rtn, quantize_int8
 from tokenmill.quant.packing import LANES, PackedWeight, pack
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "qlinear.cpp"
-CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
 KERNELS = ("native", "dequantize")
 # Row-count classes a kernel is chosen for: a product of n rows takes the first class
 # whose bound is >= n (decode at batch 1, small and large decode batches, prefill).
 ROW_CLASSES = (1, 8, 32, 256)
 
 
-def _cpu_signature() -> str:
-    """The CPU model and instruction-set flags (-march=native builds differ by them)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor()
-    wanted = ("model name", "flags")
-    return "|".join(next((ln for ln in lines if ln.startswith(w)), "") for w in wanted)
-
-
-def _build_key() -> str:
-    text = SOURCE.read_text() + torch.__version__ + _cpu_signature() + platform.python_version()
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-@functools.cache
 def native_library():
     """The compiled kernels (built once per CPU and torch version), or None where they
-    cannot be built (no compiler, no headers): the dequantize kernel serves then."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        key = _build_key()
-        build_dir = CACHE / "kernels" / f"qlinear-{key}"
-        build_dir.mkdir(parents=True, exist_ok=True)
-        # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (the soname
-        # libgomp.so.1 resolves to the copy torch has already loaded).
-        return load(name=f"tokenmill_qlinear_{key}", sources=[str(SOURCE)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                    verbose=False)
-    except Exception as exc:  # noqa: BLE001 (any build failure means: fall back)
-        logger.warning("quantized CPU kernels could not be compiled (%s); quantized "
-                       "products rebuild the float weight on every call (slow)", exc)
-        return None
+    cannot be built: the dequantize kernel serves then."""
+    return build_extension("qlinear", SOURCE)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +140,7 @@ def kernel_table(bits: int, threads: int | None = None) -> KernelTable:
     if native_library() is None:
         return KernelTable.uniform("dequantize")
     threads = threads or torch.get_num_threads()
-    path = CACHE / "kernels" / f"table-{_build_key()}-int{bits}-{threads}t.json"
+    path = CACHE / "kernels" / f"table-{build_key(SOURCE)}-int{bits}-{threads}t.json"
     if path.is_file():
         return KernelTable({int(k): v for k, v in json.loads(path.read_text()).items()})
     before = torch.get_num_threads()

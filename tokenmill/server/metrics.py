@@ -91,6 +91,15 @@ class _EngineCollector(Collector):
         for layer, value in enumerate(snap.expert_imbalance):
             ratio.add_metric([*values, str(layer)], value)
         yield ratio
+        if snap.rank_imbalance:
+            ranks = GaugeMetricFamily(
+                PREFIX + "moe_rank_imbalance",
+                "With replicated experts: the busiest rank's (token, expert) pairs over the "
+                "mean rank's, per MoE layer, over the same window (1 = balanced).",
+                labels=[*labels, "layer"])
+            for layer, value in enumerate(snap.rank_imbalance):
+                ranks.add_metric([*values, str(layer)], value)
+            yield ranks
 
 
 class ServerMetrics:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.dist.expert_replicas import ExpertReplicas
 from tokenmill.dist.pipeline import PipelineStage
 from tokenmill.kv.quant import SCALE_DTYPE, is_quantized, storage_dtype
 from tokenmill.layers.linear import Linear
@@ -275,10 +276,20 @@ def plan_memory(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype, cont
 def plan_deployment_memory(config: EngineConfig, context: int, concurrency: int,
                            device_memory: int | None = None) -> MemoryPlan:
     """plan_memory for a config as the worker would start it: the checkpoint's shape,
-    the device's dtype and products, the configured proposer (none of it loaded)."""
+    the device's dtype and products, the configured proposer (none of it loaded). Under
+    tensor parallelism, one rank's share: its shard, or under expert parallelism its
+    whole experts, replicas included (MoE memory follows the experts held, not those
+    a token uses)."""
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     arch = read_config(config.model.model)
+    parallel = config.parallel
+    if parallel.tensor_parallel_size > 1:
+        size, slots = parallel.tensor_parallel_size, None
+        if parallel.expert_redundant_slots:  # every rank holds (E + R) / TP slots
+            slots = ExpertReplicas(arch.num_experts, size, 0, parallel.expert_redundant_slots,
+                                   parallel.expert_routing).local_slots
+        arch = arch.sharded(size, 0 if parallel.expert_parallel else None, slots)
     policy = target_products(config, product_policy(config.model.cpu_blas, device, dtype),
                              dtype)
     proposer = proposer_footprint(proposer_context(config, arch, device, dtype))

@@ -26,6 +26,7 @@ from tokenmill.dist.context import (
     min_over_ranks,
     stage_group,
 )
+from tokenmill.dist.expert_replicas import ReplicaSet
 from tokenmill.dist.pipeline import PipelineSends, PipelineStage, micro_batches
 from tokenmill.dist.tensor_parallel import tensor_parallel_selector
 from tokenmill.layers.linear import weight_bytes
@@ -87,11 +88,13 @@ class Worker:
         self.base_products = product_policy(mcfg.cpu_blas, device, dtype)
         self.products = target_products(config, self.base_products, dtype, self.stage)
         self.products.configure_threads(threads)
+        self.replicas = self._replica_set(config)
         loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
                             progress=progress and self.group.rank == 0, group=self.group,
                             select_linear=tensor_parallel_selector(self.products.selector,
                                                                    self.group),
-                            stage=self.stage)
+                            stage=self.stage, expert_slots=self.replicas and
+                            self.replicas.initial_slots)
         calibrate(loaded.model, config)  # activation-aware quantization, when configured
         self.arch, self.device, self.dtype = loaded.arch, loaded.device, loaded.dtype
         self.generation_config = loaded.generation_config
@@ -121,6 +124,8 @@ class Worker:
         self._moe_layers = [m for m in loaded.model.modules() if isinstance(m, SparseMoE)]
         for moe in self._moe_layers:  # built on the meta device: the counts are garbage
             moe.expert_load.zero_()
+        if self.replicas is not None:
+            self.replicas.attach(self._moe_layers)
         # Seconds this step waited on the previous pipeline stage or its own sends.
         self._pipeline_seconds = 0.0
         # Optional step tracer (tokenmill.profile.StepTracer); None costs nothing.
@@ -154,6 +159,15 @@ class Worker:
         num_layers = read_config(config.model.model).num_layers
         return group, PipelineStage.of(stage_index, pp, num_layers, tp, tp_rank)
 
+    def _replica_set(self, config: EngineConfig) -> ReplicaSet | None:
+        """Replicas of hot experts (--expert-redundant-slots), None without."""
+        parallel = config.parallel
+        if not parallel.expert_redundant_slots:
+            return None
+        experts = read_config(config.model.model).num_experts
+        return ReplicaSet(experts, self.group, parallel.expert_redundant_slots,
+                          parallel.expert_routing, parallel.expert_replan_min_gain)
+
     def _measure_memory(self) -> MemoryUsage:
         proposer = self.proposer.memory_bytes() if self.proposer is not None else (0, 0)
         return MemoryUsage(weight_bytes(self.runner.model), self.runner.kv_cache_bytes(),
@@ -174,11 +188,15 @@ class Worker:
     @torch.inference_mode()
     def execute(self, step: StepInput) -> StepOutput:
         clock = PhaseClock(self.tracer)
+        moves = 0
         with self.products.step_context():
             for request_id in step.preempted_request_ids:
                 self._draft_probs.pop(request_id, None)
                 if self.proposer is not None:
                     self.proposer.release(request_id)
+            if step.rebalance_experts and self.replicas is not None:
+                moves = self.replicas.rebalance()  # every rank on this step: weights move
+                clock.mark("expert_rebalance")
             batch = self.runner.prepare(step.requests)
             clock.mark("prepare_inputs")
             if self.stage is None:
@@ -194,6 +212,9 @@ class Worker:
             clock.mark("sample")
         output.phase_seconds = clock.seconds
         output.expert_load = self._take_expert_load()
+        if self.replicas is not None:
+            output.rank_load = self.replicas.take_rank_load()
+            output.expert_moves = moves
         communication = self._pipeline_seconds
         if isinstance(self.group, GroupCollectives):
             communication += self.group.take_comm_seconds()
@@ -210,6 +231,8 @@ class Worker:
             moe.expert_load.zero_()
         if self._moe_layers[0].all_to_all:  # each rank routed its own share of the tokens
             self.group.all_reduce(counts)
+        if self.replicas is not None:
+            self.replicas.record(counts.tolist())
         return counts.tolist()
 
     def _forward_stage(self, step: StepInput, batch: PreparedBatch) -> torch.Tensor | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tokenmill.plan.collective_cost import Link
-from tokenmill.plan.moe_balance import Placement, Router, plan_replicas, plan_without_replicas
+from tokenmill.dist.eplb import Placement, Router, plan_replicas, plan_without_replicas
 from tokenmill.plan.moe_sim import MoeCluster, MoeWorkload, balanced_step, simulate, step_time
 
 
@@ -78,3 +78,19 @@ def test_simulate_moe_rejects_impossible_clusters(capsys):
     assert main(["simulate", "moe", "--ranks", "0"]) == 2
     assert main(["simulate", "moe", "--top-k", "65"]) == 2
     assert "--top-k" in capsys.readouterr().err
+
+
+def test_simulate_moe_calibrates_what_it_can(capsys, tmp_path, monkeypatch):
+    from tokenmill.cli import main
+
+    monkeypatch.setenv("TOKENMILL_CACHE", str(tmp_path))
+    assert main(["simulate", "moe", "--cluster", "local", "--ranks", "2"]) == 2
+    assert "tokenmill bench collectives" in capsys.readouterr().err
+    (tmp_path / "collectives-fit.json").write_text(
+        '{"backend": {"alpha_s": 1e-4, "beta_bytes_per_s": 1e9, "ranks": 2}}')
+    assert main(["simulate", "moe", "--cluster", "local", "--ranks", "2", "--ranks-per-node",
+                 "2", "--experts", "8", "--redundant", "2", "--tokens", "64", "--steps", "5",
+                 "--windows-ms", "100", "--measure-expert", "64,128"]) == 0
+    out = capsys.readouterr().out
+    assert "measured:" in out and "local links" in out
+    assert main(["simulate", "moe", "--measure-expert", "64"]) == 2

@@ -12,20 +12,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tokenmill.config.parallel import ParallelConfig
+from tokenmill.config.validate import require as _require
+
 CHUNK_POLICIES = ("fixed", "dynamic")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-EXECUTORS = ("auto", "in-process", "multiprocess")
-ALL_REDUCE = ("backend", "ring", "tree", "rhd")
 
 # The embedded default model, committed with the project.
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "pycoder"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models" / "pycoder"
 
 
-def _require(ok: bool, name: str, allowed: str, value: Any) -> None:
-    if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -285,63 +283,6 @@ class AttentionConfig:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    """Where the model runs: in the engine's process, or in worker processes that
-    receive each step as plain data; how many ranks share it and how they sum."""
-
-    # auto: in-process for one rank, worker processes for several.
-    executor: Literal["auto", "in-process", "multiprocess"] = "auto"
-    # Ranks the model's layers are split over (Megatron tensor parallelism), one worker
-    # process each (gloo on the CPU, NCCL on CUDA).
-    tensor_parallel_size: int = 1
-    # Who sums the row-parallel partial products: torch.distributed's own all-reduce,
-    # or tokenmill's ring, tree or recursive halving-doubling (tokenmill/dist).
-    all_reduce: Literal["backend", "ring", "tree", "rhd"] = "backend"
-    # Megatron SP under TP: reduce-scatter + all-gather instead of each all-reduce;
-    # norms and residual adds on 1/TP of the tokens.
-    sequence_parallel: bool = False
-    # Stages of consecutive layers, each of tensor_parallel_size ranks.
-    pipeline_parallel_size: int = 1
-    # Micro-batches a step is cut into so that stages overlap (None: one per stage).
-    pipeline_micro_batches: int | None = None
-    # MoE models under TP: each rank holds E / TP whole experts instead of a shard of
-    # every expert; with --sequence-parallel tokens reach them by all-to-all.
-    expert_parallel: bool = False
-    # MoE models: the window expert-load statistics (imbalance in /metrics) cover.
-    expert_stats_window_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        _require(self.executor in EXECUTORS, "executor", f"one of {EXECUTORS}", self.executor)
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            value = getattr(self, name)
-            _require(isinstance(value, int) and 1 <= value <= 64, name, "an integer in [1, 64]",
-                     value)
-        _require(self.all_reduce in ALL_REDUCE, "all_reduce", f"one of {ALL_REDUCE}",
-                 self.all_reduce)
-        _require(self.pipeline_micro_batches is None
-                 or (isinstance(self.pipeline_micro_batches, int)
-                     and 1 <= self.pipeline_micro_batches <= 64), "pipeline_micro_batches",
-                 "None or an integer in [1, 64]", self.pipeline_micro_batches)
-        for name in ("sequence_parallel", "expert_parallel"):  # they split TP's ranks' work
-            _require(not getattr(self, name) or self.tensor_parallel_size > 1, name,
-                     "off when tensor_parallel_size is 1", getattr(self, name))
-        _require(isinstance(self.expert_stats_window_s, (int, float))
-                 and self.expert_stats_window_s >= 0, "expert_stats_window_s",
-                 "a number of seconds >= 0", self.expert_stats_window_s)
-        _require(self.executor != "in-process" or self.world_size == 1, "executor",
-                 "'multiprocess' or 'auto' when tensor_parallel_size or "
-                 "pipeline_parallel_size > 1", self.executor)
-
-    @property
-    def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
-
-    @property
-    def micro_batches(self) -> int:
-        return self.pipeline_micro_batches or self.pipeline_parallel_size
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -363,6 +304,10 @@ class EngineConfig:
                      "not 'eagle' with pipeline_parallel_size > 1", self.spec.speculative_method)
             _require(self.quant.quantization_method != "awq", "quantization_method",
                      "not 'awq' with pipeline_parallel_size > 1", self.quant.quantization_method)
+        # A moved copy is rebuilt from its float weight: quantized codes would change.
+        _require(not self.parallel.expert_redundant_slots or self.quant.quantization == "none",
+                 "expert_redundant_slots", "0 with weight quantization",
+                 self.parallel.expert_redundant_slots)
         sched = self.scheduler
         if not sched.enable_chunked_prefill and self.model.max_model_len is not None:
             _require(sched.max_num_batched_tokens >= self.model.max_model_len,

@@ -1,0 +1,60 @@
+"""The in-place paged decode kernel (`--attention-backend paged-native`) against the
+gather-and-SDPA reference, and the backend taking it only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokenmill.attention.paged_native as paged_native
+from tokenmill import LLM, SamplingParams
+from tokenmill.attention.paged import grouped_decode_attention
+
+kernel = paged_native.native_decode()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler for the kernel")
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [
+    (14, 2, 64, 16), (8, 8, 32, 4), (4, 1, 16, 1)])
+def test_the_kernel_equals_gathered_attention(heads, kv_heads, head_dim, block_size):
+    generator = torch.Generator().manual_seed(0)
+    blocks = 64
+    keys = torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator)
+    values = torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator)
+    lengths = torch.tensor([1, 7, block_size * 5, block_size * 5 + 3])
+    width = 6
+    tables = torch.stack([torch.randperm(blocks, generator=generator)[:width] for _ in lengths])
+    q = torch.randn(len(lengths), heads, head_dim, generator=generator)
+    out = kernel.paged_decode(q, keys, values, tables, lengths, 0.3)
+    flat = tables.reshape(-1)
+    gathered_k = keys.index_select(0, flat).reshape(len(lengths), -1, kv_heads, head_dim)
+    gathered_v = values.index_select(0, flat).reshape(len(lengths), -1, kv_heads, head_dim)
+    positions = torch.arange(gathered_k.shape[1])
+    mask = (positions[None, :] < lengths[:, None])[:, None, None, :]
+    reference = grouped_decode_attention(q, gathered_k, gathered_v, mask, 1, 0.3)
+    torch.testing.assert_close(out, reference, atol=2e-6, rtol=1e-5)
+
+
+def test_the_backend_takes_the_kernel_for_one_token_rows_only(monkeypatch, llama_dir):
+    calls = []
+    real = kernel.paged_decode
+
+    class Spy:
+        @staticmethod
+        def paged_decode(*args):
+            calls.append(args[0].shape[0])
+            return real(*args)
+
+    monkeypatch.setattr(paged_native, "native_decode", lambda: Spy)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 17, 42, 99, 3], list(range(20, 61))]
+    native = LLM(str(llama_dir), progress=False, attention_backend="paged-native")
+    plain = LLM(str(llama_dir), progress=False)
+    assert ([o.outputs[0].token_ids for o in native.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
+    assert calls and max(calls) == 2  # both requests' decode rows, in place
+    calls.clear()
+    quantized = LLM(str(llama_dir), progress=False, attention_backend="paged-native",
+                    kv_cache_dtype="int8")
+    quantized.generate(prompts, params)
+    assert calls == []  # a quantized cache is dequantized by the gather path

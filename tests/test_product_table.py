@@ -1,0 +1,88 @@
+"""`--cpu-blas auto` by measurement: the choice rule, the start-up probe stored once per
+host and read after, and `tokenmill tune` on a model's own shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tokenmill.layers.product_table as table
+from tokenmill.cli import main
+from tokenmill.layers.products import NumpyProducts, ProductPolicy, product_policy
+
+
+def test_the_choice_is_the_smallest_geometric_mean_slowdown():
+    seconds = {"a": {1: 1.0, 32: 4.0}, "b": {1: 2.0, 32: 1.0}, "c": {1: 1.5, 32: 2.5}}
+    # Slowdowns: a 1 x 4 = 4, b 2 x 1 = 2, c 1.5 x 2.5 = 3.75.
+    assert table.choose(seconds) == "b"
+    assert table.choose({"a": {1: 1.0}, "b": {1: 1.1}}) == "a"
+
+
+def test_every_candidate_is_timed_at_every_row_count():
+    seconds = table.measure([(64, 32), (32, 64)], (1, 8), threads=1, repeats=1)
+    assert set(seconds) == set(table.available_candidates())
+    assert all(set(times) == {1, 8} and min(times.values()) > 0 for times in seconds.values())
+
+
+def test_the_probe_runs_once_and_auto_follows_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(table, "CACHE", tmp_path)
+    monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "1")
+    probes = []
+
+    def fake_measure(shapes, rows, threads, repeats=5, **_):
+        probes.append(threads)
+        return {"onednn": dict.fromkeys(rows, 2.0), "numpy": dict.fromkeys(rows, 1.0),
+                "torch": dict.fromkeys(rows, 3.0)}
+
+    monkeypatch.setattr(table, "measure", fake_measure)
+    cpu = torch.device("cpu")
+    assert isinstance(product_policy("auto", cpu, torch.float32), NumpyProducts)
+    assert isinstance(product_policy("auto", cpu, torch.float32), NumpyProducts)
+    assert len(probes) == 1  # stored for this host and thread count, then read
+    assert table.read_table(torch.get_num_threads())["source"] == "probe"
+    # A measured "torch" is torch's own products; explicit settings are not overridden.
+    table.write_table(torch.get_num_threads(), {"choice": "torch", "threads": 2,
+                                                "source": "tune", "seconds": {}})
+    assert type(product_policy("auto", cpu, torch.float32)) is ProductPolicy
+    assert isinstance(product_policy("numpy", cpu, torch.float32), NumpyProducts)
+    # The test suite's switch: the static rule, nothing measured or read.
+    monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "0")
+    assert table.auto_choice() == table.static_choice()
+
+
+def test_tune_measures_a_models_shapes_and_reports(tmp_path, monkeypatch, capsys, llama_dir):
+    monkeypatch.setattr(table, "CACHE", tmp_path)
+    assert main(["tune", "--report", "--threads", "1"]) == 1  # nothing measured yet
+    assert main(["tune", "--model", str(llama_dir), "--rows", "1,4", "--repeats", "1",
+                 "--threads", "1", "--out", str(tmp_path / "plot")]) == 0
+    out = capsys.readouterr().out
+    assert "| rows |" in out and "auto takes" in out
+    stored = table.read_table(1)
+    assert stored["source"] == "tune" and stored["choice"] in table.CANDIDATES
+    assert (tmp_path / "plot" / "tune.png").stat().st_size > 0
+    assert main(["tune", "--report", "--threads", "1"]) == 0
+    assert f"choice (smallest geometric-mean slowdown): {stored['choice']}" in \
+        capsys.readouterr().out
+    assert main(["tune", "--rows", "0,4"]) == 2
+    assert main(["tune", "--model", str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.parametrize("candidate", table.available_candidates())
+def test_each_candidate_computes_the_product(candidate):
+    weight = torch.randn(48, 32)
+    x = torch.randn(5, 32)
+    with table.candidate_threads(1):
+        result = table.product_function(candidate, weight)(x)
+    torch.testing.assert_close(result, x @ weight.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_a_table_is_keyed_by_cpu_torch_and_threads(monkeypatch):
+    base = table.table_path(2)
+    assert table.table_path(1) != base  # another thread count
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert table.table_path(2) != base  # another torch: measured again
+    monkeypatch.undo()
+    monkeypatch.setattr(table, "cpu_signature", lambda: "another CPU|flags avx2")
+    assert table.table_path(2) != base
+    # Ties keep the candidates' order (oneDNN first): the same table, the same choice.
+    assert table.choose({"onednn": {1: 1.0}, "numpy": {1: 1.0}}) == "onednn"

@@ -1,0 +1,55 @@
+"""Paged attention whose decode rows read the KV cache in place (`paged-native`).
+
+The `paged` backend gathers every decode row's whole context out of the block pool
+into a padded batch, each layer of each step, and runs one masked SDPA over it. Here
+a small C++ kernel (csrc/paged_decode.cpp, compiled for this CPU at first use) walks
+each request's block table instead: per (request, KV head), the query heads sharing
+the KV head score one block's keys at a time and fold it into a running softmax, so
+the context is read once, where it lies, with no copy and no padding to the longest
+request. Prefill chunks and speculative (multi-token) decode rows, a quantized cache,
+a non-float32 model or a device without the kernel take the `paged` path unchanged.
+The sums run in another order than SDPA's: outputs agree to float32 rounding, not
+bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from tokenmill.attention.base import BatchLayout
+from tokenmill.attention.paged import PagedAttention, PagedMetadata
+from tokenmill.kv import KVCache
+from tokenmill.layers.native import build_extension
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+
+
+def native_decode():
+    """The compiled kernel module, or None where it cannot be built."""
+    return build_extension("paged_decode", SOURCE, ("-ffast-math",))
+
+
+class PagedNativeAttention(PagedAttention):
+    name = "paged-native"
+
+    def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
+        metadata = super().build_metadata(layout)
+        if not layout.num_decode_requests or metadata.decode_query_len != 1:
+            return metadata
+        rows = range(layout.num_decode_requests)
+        lengths = torch.tensor([layout.context_lens[r] + 1 for r in rows], dtype=torch.int64,
+                               device=layout.device)
+        return dataclasses.replace(metadata, decode_lengths=lengths)
+
+    def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
+                scale: float) -> torch.Tensor:
+        kernel = native_decode() if q.device.type == "cpu" else None
+        if (kernel is None or metadata.decode_lengths is None or kv_cache.quantized
+                or q.dtype != torch.float32 or kv_cache.data.dtype != torch.float32):
+            return super()._decode(q, kv_cache, metadata, scale)
+        return kernel.paged_decode(q.contiguous(), kv_cache.data[0], kv_cache.data[1],
+                                   metadata.decode_block_tables, metadata.decode_lengths,
+                                   scale)

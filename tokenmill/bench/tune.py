@@ -1,0 +1,166 @@
+"""`tokenmill tune`: measure on this machine which float32 product path serves a model
+fastest, and make it what `--cpu-blas auto` takes here (layers/product_table.py).
+
+For the model's own layer shapes (one decoder layer's projections, a MoE layer's
+router and top-k experts, times the layers, plus the LM head) every candidate
+(oneDNN packed, NumPy's OpenBLAS, torch) multiplies at each row class, from one row
+(single-stream decode) to a prefill chunk. The table is stored for this CPU, torch
+version and thread count; the choice is the candidate with the smallest
+geometric-mean slowdown over the classes, and the fastest per class is reported
+beside it. `--report` prints what is stored (the start-up probe's or a tune's) and
+plots it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from tokenmill.config import DEFAULT_MODEL_DIR
+from tokenmill.layers.linear import Linear
+from tokenmill.layers.product_table import choose, measure, read_table, table_path, write_table
+from tokenmill.model.loader import read_config
+from tokenmill.model.registry import resolve_model_class
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def model_shapes(model_dir: str) -> tuple[list[tuple[int, int]], int, str]:
+    """([out, in] of one decoder layer's Linears and the LM head], layers, a shape name):
+    a MoE layer contributes its router and the top-k experts a token runs through."""
+    arch = read_config(model_dir)
+    with torch.device("meta"):
+        model = resolve_model_class(arch.architecture)(arch, 1)
+    layer, head = [], []
+    for name, module in model.named_modules():
+        if not isinstance(module, Linear):
+            continue
+        expert = _EXPERT.search(name)
+        if expert and int(expert.group(1)) >= arch.num_experts_per_tok:
+            continue
+        shape = (module.out_features, module.in_features)
+        if name.startswith("model.layers.0."):
+            layer.append(shape)
+        elif name == "lm_head":
+            head.append(shape)
+    shape_name = (f"h{arch.hidden_size}-i{arch.intermediate_size}-L{arch.num_layers}"
+                  f"-v{arch.vocab_size}" + (f"-e{arch.num_experts}" if arch.num_experts else ""))
+    return layer + head, arch.num_layers, shape_name
+
+
+def pass_seconds(layer: dict[str, dict[int, float]], head: dict[str, dict[int, float]],
+                 layers: int) -> dict[str, dict[int, float]]:
+    """A whole model's products: `layers` times one layer's, plus the LM head's."""
+    return {c: {n: layers * layer[c][n] + head[c][n] for n in layer[c]} for c in layer}
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    threads = args.threads or torch.get_num_threads()
+    if threads < 1:
+        print(f"error: --threads must be >= 1, got {threads}", file=sys.stderr)
+        return 2
+    if args.report:
+        return report(threads, args.out)
+    try:
+        rows = tuple(int(n) for n in args.rows.split(","))
+        if not rows or min(rows) < 1:
+            raise ValueError
+    except ValueError:
+        print(f"error: --rows must be positive integers separated by commas, got "
+              f"{args.rows!r}", file=sys.stderr)
+        return 2
+    try:
+        shapes, layers, shape_name = model_shapes(args.model)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"tuning {shape_name} ({len(shapes) - 1} products per layer x {layers} layers + "
+          f"LM head) at {threads} threads, rows {list(rows)}")
+    progress = (lambda line: print("  " + line, flush=True)) if args.verbose else None
+    layer = measure(shapes[:-1], rows, threads, args.repeats, progress=progress)
+    head = measure(shapes[-1:], rows, threads, args.repeats, progress=progress)
+    seconds = pass_seconds(layer, head, layers)
+    entry = {"source": "tune", "model": str(args.model), "shape": shape_name,
+             "threads": threads, "choice": choose(seconds), "seconds": seconds}
+    write_table(threads, entry)
+    print(format_table(entry))
+    print(f"stored in {table_path(threads)}: --cpu-blas auto takes {entry['choice']} here")
+    if args.out:
+        plot(entry, args.out)
+    return 0
+
+
+def _seconds(entry: dict) -> dict[str, dict[int, float]]:
+    """Row counts as integers (a stored table has them as JSON strings)."""
+    return {c: {int(n): s for n, s in times.items()} for c, times in entry["seconds"].items()}
+
+
+def format_table(entry: dict) -> str:
+    seconds = _seconds(entry)
+    candidates = list(seconds)
+    rows = sorted(next(iter(seconds.values())))
+    lines = [f"{entry['source']}: {entry.get('shape', 'probe weights')}, {entry['threads']} "
+             f"threads; ms per pass of the products (fastest per row class marked *)",
+             "| rows | " + " | ".join(candidates) + " | fastest |",
+             "| --- | " + " | ".join("---" for _ in candidates) + " | --- |"]
+    for n in rows:
+        best = min(candidates, key=lambda c: seconds[c][n])
+        cells = [f"{seconds[c][n] * 1e3:.2f}" + ("*" if c == best else "") for c in candidates]
+        lines.append(f"| {n} | " + " | ".join(cells) + f" | {best} |")
+    lines.append(f"choice (smallest geometric-mean slowdown): {entry['choice']}")
+    return "\n".join(lines)
+
+
+def report(threads: int, out: Path | None) -> int:
+    entry = read_table(threads)
+    if entry is None:
+        print(f"nothing measured on this host at {threads} threads yet: run `tokenmill tune` "
+              f"(or start an engine: --cpu-blas auto probes)", file=sys.stderr)
+        return 1
+    print(format_table(entry))
+    print(f"from {table_path(threads)}")
+    if out:
+        plot(entry, out)
+    return 0
+
+
+def plot(entry: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for candidate, times in _seconds(entry).items():
+        rows = sorted(times)
+        axes.plot(rows, [times[n] * 1e3 / n for n in rows], marker="o", label=candidate)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("rows per product")
+    axes.set_ylabel("ms per row, whole pass")
+    axes.set_title(f"{entry.get('shape', 'probe')}, {entry['threads']} threads: "
+                   f"auto = {entry['choice']}")
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(out / "tune.png", dpi=110)
+    print(f"wrote {out / 'tune.png'}")
+
+
+def add_tune_subcommand(sub: argparse._SubParsersAction) -> None:
+    tune = sub.add_parser("tune", help="measure this machine's fastest product path for a "
+                                       "model; --cpu-blas auto then takes it")
+    tune.add_argument("--model", default=str(DEFAULT_MODEL_DIR))
+    tune.add_argument("--threads", type=int, default=None, help="default: torch's")
+    tune.add_argument("--rows", default="1,8,32,128,512", help="row classes to time")
+    tune.add_argument("--repeats", type=int, default=5)
+    tune.add_argument("--report", action="store_true",
+                      help="print (and with --out plot) what is stored for this host")
+    tune.add_argument("--out", type=Path, default=None, help="folder for tune.png")
+    tune.add_argument("--verbose", action="store_true")
+    tune.add_argument("--log-level", default="warning")
+    tune.set_defaults(func=cmd_tune)

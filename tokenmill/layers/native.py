@@ -1,0 +1,46 @@
+"""Small C++ kernels compiled for this CPU at first use (`torch.utils.cpp_extension`,
+-O3 -march=native, OpenMP on torch's own pool), cached per source, CPU, torch and
+Python version; None where nothing can be built (no compiler or headers), so every
+caller keeps a plain-PyTorch path."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import platform
+from pathlib import Path
+
+import torch
+
+from tokenmill.layers.timing import CACHE, cpu_signature
+
+logger = logging.getLogger(__name__)
+
+
+def build_key(source: Path, extra_cflags: tuple[str, ...] = ()) -> str:
+    text = (source.read_text() + torch.__version__ + cpu_signature() + platform.python_version()
+            + " ".join(extra_cflags))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@functools.cache
+def build_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ()):
+    """The compiled module for `source` (with extra_cflags beside -O3 -march=native
+    -fopenmp), or None (with a warning naming why)."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        key = build_key(source, extra_cflags)
+        build_dir = CACHE / "kernels" / f"{name}-{key}"
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (the soname
+        # libgomp.so.1 resolves to the copy torch has already loaded).
+        return load(name=f"tokenmill_{name}_{key}", sources=[str(source)],
+                    extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                    verbose=False)
+    except Exception as exc:  # noqa: BLE001 (any build failure means: fall back)
+        logger.warning("native kernel %s could not be compiled (%s); the PyTorch path "
+                       "serves instead", name, exc)
+        return None

@@ -1,0 +1,173 @@
+"""Which float32 product path `--cpu-blas auto` takes on this machine, measured here.
+
+Hosts differ: oneDNN's packed products win on one CPU (AVX-512) and lose single-row
+decode to OpenBLAS on another (an AVX2 host measured 1.48x faster with NumPy). So
+`auto` does not assume: it reads the choice measured on this CPU (model and ISA
+flags), torch version and thread count from the cache, written by `tokenmill tune`
+(the model's own layer shapes, row classes up to prefill) or, when nothing was
+measured yet, by a start-up probe of a couple of seconds: a decoder-sized set of
+weights, larger than the last-level cache, multiplied at 1, 8, 32 and 128 rows by
+each candidate. The choice is the candidate with the smallest geometric-mean
+slowdown against the fastest at each row class; every engine on the host then takes
+it (one weight form per engine: the candidates keep their weights differently).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers import cpu_blas
+from tokenmill.layers.timing import CACHE, cpu_signature
+
+logger = logging.getLogger(__name__)
+
+CANDIDATES = ("onednn", "numpy", "torch")
+PROBE_ROWS = (1, 8, 32, 128)
+# The probe's weights: a Qwen2.5-0.5B-like MLP's three matrices, ~52 MB in float32
+# (over a 32 MB L3, so one-row products stream from memory as a model's do).
+PROBE_SHAPES = ((4864, 896), (4864, 896), (896, 4864))
+
+
+def host_key(threads: int) -> str:
+    text = f"{cpu_signature()}|{torch.__version__}|{threads}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def table_path(threads: int) -> Path:
+    return CACHE / "products" / f"{host_key(threads)}-{threads}t.json"
+
+
+def choose(seconds: dict[str, dict[int, float]]) -> str:
+    """The candidate with the smallest geometric-mean slowdown over the row classes."""
+    rows = next(iter(seconds.values())).keys()
+    best = {r: min(times[r] for times in seconds.values()) for r in rows}
+    return min(seconds, key=lambda c: sum(math.log(seconds[c][r] / best[r]) for r in rows))
+
+
+def available_candidates() -> list[str]:
+    return [c for c in CANDIDATES if c != "onednn" or cpu_blas.onednn_available()]
+
+
+def product_function(candidate: str, weight: torch.Tensor) -> Callable[[torch.Tensor], object]:
+    """x -> x @ weight.T the way `candidate` does it, its weight form prepared once."""
+    if candidate == "onednn":
+        packed = cpu_blas.onednn_weight(weight, transposed=False)
+        return lambda x: cpu_blas.onednn_linear(x, packed)
+    wide = weight.shape[0] > weight.shape[1]  # the layout the policies keep wide layers in
+    stored = weight.t().contiguous() if wide else weight
+    if candidate == "numpy":
+        blas = cpu_blas.numpy_weight(stored, wide)
+        return lambda x: cpu_blas.matmul(x, blas)
+    return (lambda x: x @ stored) if wide else (lambda x: F.linear(x, stored))
+
+
+@contextlib.contextmanager
+def candidate_threads(threads: int) -> Iterator[None]:
+    """Every candidate's library on `threads` for the whole measurement: switching
+    torch's pool between passes makes oneDNN rebuild its kernels (they are cached per
+    thread count), which once cost it 2.6x at one row in a first version of this."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    cpu_blas.set_blas_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@torch.inference_mode()
+def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], threads: int,
+            repeats: int = 5, candidates: list[str] | None = None,
+            progress: Callable[[str], None] | None = None) -> dict[str, dict[int, float]]:
+    """Seconds for one pass of products over `shapes` ([out, in] weights) at each row
+    count, per candidate: the fastest of `repeats` consecutive passes after a warm-up
+    (consecutive: a library's threads spin a while after its call, which would slow
+    the next library's pass), the candidates taking turns per row count."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out, inp, generator=generator) * 0.02 for out, inp in shapes]
+    candidates = candidates or available_candidates()
+    functions = {c: [product_function(c, w) for w in weights] for c in candidates}
+    out: dict[str, dict[int, float]] = {c: {} for c in candidates}
+    for n in rows:
+        xs = [torch.randn(n, w.shape[1], generator=generator) for w in weights]
+        for candidate in candidates:
+            with candidate_threads(threads):
+                one_pass(functions[candidate], xs)  # warm-up
+                out[candidate][n] = min(one_pass(functions[candidate], xs)
+                                        for _ in range(repeats))
+        if progress is not None:
+            progress(f"{n} rows: " + ", ".join(f"{c} {out[c][n] * 1e3:.2f} ms"
+                                               for c in candidates))
+    return out
+
+
+def one_pass(functions: list[Callable[[torch.Tensor], object]],
+             xs: list[torch.Tensor]) -> float:
+    started = time.perf_counter()
+    for function, x in zip(functions, xs, strict=True):
+        function(x)
+    return time.perf_counter() - started
+
+
+def write_table(threads: int, entry: dict) -> None:
+    """Store a measurement as this host's choice (atomically: ranks read it too)."""
+    path = table_path(threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(entry, indent=1))
+    temporary.replace(path)
+
+
+def read_table(threads: int) -> dict | None:
+    path = table_path(threads)
+    if not path.is_file():
+        return None
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return entry if entry.get("choice") in CANDIDATES else None
+
+
+def static_choice() -> str:
+    """The rule before any measurement: oneDNN where torch has it, else NumPy."""
+    return "onednn" if cpu_blas.onednn_available() else "numpy"
+
+
+def auto_choice(threads: int | None = None) -> str:
+    """This host's measured product path: the cached table, or the probe's (measured
+    once, under a lock, so that worker processes starting together measure once).
+    TOKENMILL_AUTO_TUNE=0 ignores measurements (the static rule): the test suite runs
+    so, for the same kernels on every run whatever this host's cache holds."""
+    threads = threads or torch.get_num_threads()
+    if os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0":
+        return static_choice()
+    entry = read_table(threads)
+    if entry is not None and (entry["choice"] != "onednn" or cpu_blas.onednn_available()):
+        return entry["choice"]
+    path = table_path(threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entry = read_table(threads)  # another process may have measured meanwhile
+        if entry is None:
+            seconds = measure(list(PROBE_SHAPES), PROBE_ROWS, threads, repeats=3)
+            entry = {"source": "probe", "threads": threads, "choice": choose(seconds),
+                     "seconds": seconds}
+            write_table(threads, entry)
+            logger.info("cpu_blas auto: probed %s at %d threads -> %s (tokenmill tune "
+                        "measures the model's own shapes)", list(seconds), threads,
+                        entry["choice"])
+    return entry["choice"]
