@@ -34,6 +34,7 @@ import statistics
 import sys
 import sysconfig
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -92,18 +93,23 @@ class LogitsRecorder:
         return out
 
 
-def held_out_texts(engine: LLMEngine, num_tokens: int, num_texts: int) -> list[list[int]]:
+def held_out_paths() -> Iterator[Path]:
     """Stdlib files pycoder never trained on: its corpus holds out a file when the
     SHA-256 of its path relative to the stdlib falls in bucket 0 of 20."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    texts = []
     for path in sorted(stdlib.rglob("*.py")):
         relpath = path.relative_to(stdlib).as_posix()
         if {"site-packages", "test", "tests", "idle_test"} & set(relpath.split("/")[:-1]):
             continue
         digest = hashlib.sha256(relpath.encode()).digest()
-        if int.from_bytes(digest[:8], "big") % 20:
-            continue
+        if int.from_bytes(digest[:8], "big") % 20 == 0:
+            yield path
+
+
+def held_out_texts(engine: LLMEngine, num_tokens: int, num_texts: int) -> list[list[int]]:
+    """The first num_tokens tokens of held-out files (held_out_paths) that have as many."""
+    texts = []
+    for path in held_out_paths():
         ids = engine.encode(path.read_text(errors="replace"))[:num_tokens]
         if len(ids) == num_tokens:
             texts.append(ids)

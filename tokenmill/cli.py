@@ -1,8 +1,8 @@
-"""`tokenmill` command line: generate, serve, bench, plan, profile, simulate, tune, train.
+"""`tokenmill` command line: generate, serve, bench, plan, profile, simulate, tune, train, quantize.
 
 This module only dispatches: each command's flags and body live in its own module
 (tokenmill/generate.py, server/command.py, bench/commands.py, plan/command.py,
-profile/command.py, train/cli.py); the shared engine and sampling flags are in
+profile/command.py, train/cli.py, quantize.py); the shared engine and sampling flags are in
 tokenmill/arguments.py. Command modules are imported when their command runs.
 """
 
@@ -22,6 +22,7 @@ COMMANDS = {
     "profile": ("tokenmill.profile.command", "add_profile_subcommand"),
     "simulate": ("tokenmill.plan.moe_sim", "add_simulate_subcommand"),
     "tune": ("tokenmill.bench.tune", "add_tune_subcommand"),
+    "quantize": ("tokenmill.quantize", "add_quantize_subcommand"),
 }
 
 

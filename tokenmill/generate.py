@@ -29,11 +29,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     try:
         config = engine_config_from_args(args)
         params = sampling_params_from_args(args)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    engine = LLMEngine(config)
-    try:
+        engine = LLMEngine(config)
         engine.add_request("cli", args.prompt, params)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -178,6 +178,30 @@ def test_echo_logprobs_score_the_prompt_like_generation(client, offline):
     assert choice.text == offline.tokenizer.decode(ids + generated.token_ids)
 
 
+def test_prompt_logprobs_are_vllms_and_the_offline_engines(client, offline):
+    """vLLM's prompt_logprobs extension: per prompt token (the first null), the token's
+    logprob and rank and the top N, keyed by token id; equal to the offline engine's."""
+    ids = offline.engine.encode(PROMPT + " return a + b")
+    expected = offline.generate(ids, greedy(1, prompt_logprobs=2))[0].prompt_logprobs
+    response = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=1,
+                                         temperature=0, extra_body={"prompt_logprobs": 2})
+    shaped = response.choices[0].model_extra["prompt_logprobs"]
+    assert len(shaped) == len(ids) and shaped[0] is None and expected[0] is None
+    for token_id, entry, reference in zip(ids[1:], shaped[1:], expected[1:], strict=True):
+        assert entry[str(token_id)]["logprob"] == pytest.approx(reference.logprob, abs=1e-4)
+        assert entry[str(token_id)]["rank"] == reference.rank
+        top = sorted(((v["rank"], int(k)) for k, v in entry.items() if v["rank"] <= 2))
+        assert [t for _rank, t in top] == [t for t, _lp in reference.top]
+        assert all(v["decoded_token"] == offline.tokenizer.decode([int(k)])
+                   for k, v in entry.items())
+    # Echo's alternatives stay as many as logprobs asks, whatever prompt_logprobs asks.
+    both = client.completions.create(model=MODEL_NAME, prompt=ids, max_tokens=0, echo=True,
+                                     logprobs=1, temperature=0,
+                                     extra_body={"prompt_logprobs": 3})
+    assert all(len(top) <= 2 for top in both.choices[0].logprobs.top_logprobs[1:])
+    assert len(both.choices[0].model_extra["prompt_logprobs"][1]) >= 3
+
+
 def test_echo_prepends_the_prompt(client, offline):
     expected = offline.generate(PROMPT, greedy(5))[0].outputs[0].text
     response = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=5,

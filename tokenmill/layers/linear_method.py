@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.layers.block_tensor import BlockTensor
+from tokenmill.layers.quantized_tensor import SavedQuantTensor
 
 
 class Linear(Protocol):
@@ -58,9 +59,9 @@ class LinearMethod(ABC):
         """Called once every checkpoint tensor is loaded (the weights sit on their device)."""
         return None
 
-    def takes_blocks(self, tensor: BlockTensor) -> bool:
-        """Whether load_weight takes this block-quantized tensor as it is (otherwise the
-        layer dequantizes it first)."""
+    def takes_blocks(self, tensor: BlockTensor | SavedQuantTensor) -> bool:
+        """Whether load_weight takes this block-quantized (GGUF) or saved-quantized
+        tensor as it is (otherwise the layer dequantizes it first)."""
         return False
 
     @abstractmethod

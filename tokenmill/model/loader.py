@@ -1,5 +1,6 @@
 """Load a checkpoint: a Hugging Face model directory (config, safetensors weights,
-generation defaults) or a GGUF file (model/gguf.py)."""
+generation defaults), pre-quantized by `tokenmill quantize` or not (model/prequantized.py),
+or a GGUF file (model/gguf.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from tokenmill.layers.block_tensor import BlockTensor
 from tokenmill.layers.linear import LinearSelector, bind_linear_methods, finalize_linear_methods
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives, bind_collectives
 from tokenmill.layers.products import ProductPolicy
+from tokenmill.layers.quantized_tensor import SavedQuantTensor
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.gguf import GGUFCheckpoint, is_gguf
+from tokenmill.model.prequantized import quantized_weight_names, saved_quantization, saved_weights
 from tokenmill.model.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
@@ -100,32 +103,51 @@ def iterate_weights(files: list[Path], progress: bool = True) -> Iterator[tuple[
         yield name, handle.get_tensor(name)
 
 
+CheckpointTensor = torch.Tensor | BlockTensor | SavedQuantTensor
+
+
 def checkpoint_weights(model_dir: Path, arch: ArchConfig, progress: bool
-                       ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+                       ) -> Iterator[tuple[str, CheckpointTensor]]:
     if is_gguf(model_dir):
         return GGUFCheckpoint(model_dir).weights(arch.tie_word_embeddings)
+    if saved_quantization(model_dir) is not None:
+        return saved_weights(safetensors_files(model_dir), progress)
     return iterate_weights(safetensors_files(model_dir), progress)
+
+
+def linear_layer_name(arch: ArchConfig, weight_name: str) -> str:
+    """The Linear layer a checkpoint weight ("...q_proj.weight") loads into ("...qkv_proj")."""
+    model_class = resolve_model_class(arch.architecture)
+    if arch.tie_word_embeddings and weight_name == "model.embed_tokens.weight":
+        weight_name = "lm_head.weight"  # the LM head is the embedding table
+    name = model_class.rename_checkpoint_tensor(weight_name)
+    for part, (fused, _shard) in model_class.STACKED_PARAMS.items():
+        if f".{part}." in name:
+            name = name.replace(part, fused)
+    return name.rsplit(".", 1)[0]
 
 
 def linear_weight_formats(model_dir: str | Path) -> dict[str, set[str]]:
     """For a GGUF file, each Linear layer's name -> the GGUF formats of the checkpoint
-    tensors loaded into it (a fused layer has several); {} for a safetensors directory,
-    whose weights are all float."""
+    tensors loaded into it (a fused layer has several); {} for a safetensors directory."""
     if not is_gguf(model_dir):
         return {}
     checkpoint = GGUFCheckpoint(model_dir)
     arch = ArchConfig.from_hf_config(checkpoint.hf_config())
-    model_class = resolve_model_class(arch.architecture)
     formats: dict[str, set[str]] = {}
     for name, format in checkpoint.tensor_formats().items():
-        if arch.tie_word_embeddings and name == "model.embed_tokens.weight":
-            name = "lm_head.weight"  # the LM head is the embedding table
-        name = model_class.rename_checkpoint_tensor(name)
-        for part, (fused, _shard) in model_class.STACKED_PARAMS.items():
-            if f".{part}." in name:
-                name = name.replace(part, fused)
-        formats.setdefault(name.rsplit(".", 1)[0], set()).add(format)
+        formats.setdefault(linear_layer_name(arch, name), set()).add(format)
     return formats
+
+
+def saved_quantized_layers(model_dir: str | Path) -> set[str]:
+    """For a pre-quantized directory, the Linear layers whose weights it holds quantized
+    (a fused layer's parts are all quantized or all float); empty for any other checkpoint."""
+    if is_gguf(model_dir) or saved_quantization(model_dir) is None:
+        return set()
+    arch = read_config(model_dir)
+    return {linear_layer_name(arch, name)
+            for name in quantized_weight_names(safetensors_files(Path(model_dir)))}
 
 
 class ModelPart(Protocol):
@@ -139,9 +161,8 @@ class ModelPart(Protocol):
     def local_name(self, name: str, tied: bool) -> str | None: ...
 
 
-def _stage_weights(weights: Iterator[tuple[str, torch.Tensor | BlockTensor]],
-                   stage: ModelPart, tied: bool
-                   ) -> Iterator[tuple[str, torch.Tensor | BlockTensor]]:
+def _stage_weights(weights: Iterator[tuple[str, CheckpointTensor]], stage: ModelPart,
+                   tied: bool) -> Iterator[tuple[str, CheckpointTensor]]:
     """The checkpoint tensors a pipeline stage holds, under its own layer numbers."""
     for name, tensor in weights:
         local = stage.local_name(name, tied)

@@ -178,6 +178,12 @@ class OpenAIServing:
         # engine still samples one token, which is dropped.
         echo_only = req.echo and req.max_tokens == 0
         prompt_logprobs = req.logprobs if req.echo and req.logprobs is not None else None
+        if req.prompt_logprobs is not None:
+            # The larger of the two (echo's alternatives are cut to logprobs); a negative
+            # value goes through as it is, for SamplingParams to reject.
+            prompt_logprobs = (max(prompt_logprobs, req.prompt_logprobs)
+                               if prompt_logprobs is not None and req.prompt_logprobs >= 0
+                               else req.prompt_logprobs)
         params = self._sampling_params(req, 1 if echo_only else req.max_tokens, req.logprobs,
                                        prompt_logprobs)
         prompts = await self._completion_prompts(req.prompt)

@@ -59,6 +59,9 @@ class CompletionRequest(_SamplingFields):
     # Legacy logprobs: the number of top alternatives per token.
     logprobs: int | None = None
     echo: bool = False
+    # vLLM's extension: every prompt token's log-probability and rank, with the N most
+    # likely tokens at its position, in choices[].prompt_logprobs (the first is null).
+    prompt_logprobs: int | None = None
     # Accepted when equal to n (OpenAI's default); generating more than n and
     # returning the best is not supported.
     best_of: int | None = None
@@ -118,10 +121,19 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    # Per prompt token (null for the first): token id -> its entry, the prompt's token
+    # and the most likely ones (vLLM's layout).
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     timings: RequestTimings | None = None

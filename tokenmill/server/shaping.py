@@ -25,6 +25,7 @@ from tokenmill.server.protocol import (
     CompletionStreamResponse,
     CompletionTokensDetails,
     DeltaMessage,
+    PromptLogprob,
     RequestTimings,
     TopLogprob,
     UsageInfo,
@@ -107,6 +108,7 @@ class CompletionShaper(Shaper):
         super().__init__(serving, req, prompts)
         self.echo_only = echo_only
         self.echoed = [False] * len(self.done)
+        self.prompt_logprobs_sent = [False] * len(self.done)
 
     def _num_completion_tokens(self, choice: CompletionOutput) -> int:
         return 0 if self.echo_only else len(choice.token_ids)
@@ -132,13 +134,32 @@ class CompletionShaper(Shaper):
                 continue
             result.token_logprobs.append(logprob.logprob)
             # Several ids can decode to the same text (partial UTF-8 bytes); keep the most
-            # likely, as `top` is sorted most likely first.
+            # likely, as `top` is sorted most likely first. A prompt token may carry more
+            # alternatives (prompt_logprobs asked for more): logprobs says how many.
             top: dict[str, float] = {}
-            for alt_id, alt_logprob in logprob.top:
+            for alt_id, alt_logprob in logprob.top[:self.req.logprobs]:
                 top.setdefault(self.serving.token_text(alt_id), alt_logprob)
             top.setdefault(text, logprob.logprob)
             result.top_logprobs.append(top)
         return result
+
+    def _prompt_logprobs(self, prompt: PromptInput, entries: list[TokenLogprob | None]
+                         ) -> list[dict[str, PromptLogprob] | None]:
+        """vLLM's prompt_logprobs: per position, the prompt's token and the top N."""
+        token_text = self.serving.token_text
+        shaped: list[dict[str, PromptLogprob] | None] = []
+        for token_id, entry in zip(prompt.token_ids, entries, strict=False):
+            if entry is None:
+                shaped.append(None)
+                continue
+            ranked = {str(alt_id): PromptLogprob(logprob=lp, rank=rank,
+                                                 decoded_token=token_text(alt_id))
+                      for rank, (alt_id, lp) in enumerate(
+                          entry.top[:self.req.prompt_logprobs], start=1)}
+            ranked.setdefault(str(token_id), PromptLogprob(
+                logprob=entry.logprob, rank=entry.rank, decoded_token=token_text(token_id)))
+            shaped.append(ranked)
+        return shaped
 
     def _choice(self, prompt_index: int, output: RequestOutput, choice: CompletionOutput,
                 final: bool) -> CompletionChoice | None:
@@ -160,8 +181,13 @@ class CompletionShaper(Shaper):
         logprobs = None
         if self.req.logprobs is not None:
             logprobs = self._logprobs(prompt, output, choice, positions, echo_now, offset)
+        prompt_logprobs = None
+        if (self.req.prompt_logprobs is not None and output.prompt_logprobs is not None
+                and not self.prompt_logprobs_sent[index]):
+            self.prompt_logprobs_sent[index] = True
+            prompt_logprobs = self._prompt_logprobs(prompt, output.prompt_logprobs)
         return CompletionChoice(
-            index=index, text=text, logprobs=logprobs,
+            index=index, text=text, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
             finish_reason=choice.finish_reason if just_finished or final else None,
             stop_reason=choice.stop_reason if just_finished or final else None,
             timings=timings(choice) if final else None)

@@ -55,8 +55,10 @@ def calibration_windows(config: EngineConfig) -> torch.Tensor:
 @torch.inference_mode()
 def calibrate(model: nn.Module, config: EngineConfig) -> None:
     """Quantize every AWQ layer of `model` from its inputs on the calibration text."""
+    # A pre-quantized checkpoint's AWQ layers hold their codes already.
     layers = {name: m for name, m in model.named_modules()
-              if isinstance(m, Linear) and isinstance(m.method, AwqLinearMethod)}
+              if isinstance(m, Linear) and isinstance(m.method, AwqLinearMethod)
+              and not hasattr(m, "quantized")}
     if not layers:
         return
     start = time.perf_counter()

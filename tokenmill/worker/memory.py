@@ -20,10 +20,13 @@ from tokenmill.model.loader import (
     read_config,
     resolve_device,
     resolve_dtype,
+    saved_quantized_layers,
 )
+from tokenmill.model.prequantized import saved_quantization
 from tokenmill.model.registry import resolve_model_class
 from tokenmill.quant.gguf_blocks import block_products
 from tokenmill.quant.policy import quantized_products
+from tokenmill.quant.saved import saved_products
 from tokenmill.speculative.factory import ProposerFootprint, proposer_context, proposer_footprint
 
 
@@ -83,16 +86,41 @@ def available_memory(device: torch.device) -> int:
 
 def target_products(config: EngineConfig, base: ProductPolicy, dtype: torch.dtype,
                     stage: PipelineStage | None = None) -> ProductPolicy:
-    """The policy the target model loads with: weight quantization and a GGUF file's
-    kept block formats on top of the base policy (which proposers keep). A pipeline
-    stage's layers are named by their number within it."""
+    """The policy the target model loads with: weight quantization, a pre-quantized
+    checkpoint's saved codes or a GGUF file's kept block formats on top of the base
+    policy (which proposers keep). A pipeline stage's layers are named by their number
+    within it."""
+    model = config.model.model
+    saved = saved_quantization(model)
+    if saved is not None:
+        if config.parallel.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size: a pre-quantized checkpoint loads on one "
+                             "rank (its codes are not split); quantize the float checkpoint "
+                             "at load under tensor parallelism")
+        layers = _stage_names(model, {layer: set() for layer in saved_quantized_layers(model)},
+                              stage)
+        return saved_products(saved, set(layers), base, dtype, config.quant)
     target = quantized_products(config.quant, base, dtype)
-    formats = linear_weight_formats(config.model.model)
-    if stage is not None:
-        tied = read_config(config.model.model).tie_word_embeddings
-        formats = {local.removesuffix(".weight"): kinds for layer, kinds in formats.items()
-                   if (local := stage.local_name(f"{layer}.weight", tied)) is not None}
-    return block_products(target, formats, dtype)
+    return block_products(target, _stage_names(model, linear_weight_formats(model), stage),
+                          dtype)
+
+
+def _stage_names(model: str, layers: dict[str, set[str]], stage: PipelineStage | None
+                 ) -> dict[str, set[str]]:
+    """Layer name -> value, with the names a pipeline stage gives the layers it holds."""
+    if stage is None:
+        return layers
+    tied = read_config(model).tie_word_embeddings
+
+    def local(layer: str) -> str | None:
+        if tied and layer == "lm_head":
+            # The tied head is the embedding table: the first stage holds it too.
+            return layer if stage.local_name("model.embed_tokens.weight", tied) else None
+        name = stage.local_name(f"{layer}.weight", tied)
+        return name.removesuffix(".weight") if name is not None else None
+
+    return {name: value for layer, value in layers.items()
+            if (name := local(layer)) is not None}
 
 
 def plan_kv_blocks(config: EngineConfig, arch: ArchConfig, dtype: torch.dtype,
