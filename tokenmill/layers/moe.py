@@ -166,14 +166,16 @@ class SparseMoE(nn.Module):
         # (token, slot) pairs by expert, then by destination rank (stable: each rank's
         # pairs stay in expert order).
         by_expert, pairs = torch.sort(experts.flatten(), stable=True)
+        order = None  # without replicas, expert order is already destination order
         if self.replicas is not None:
             dest = self.replicas.destinations(experts, None).flatten()[pairs]
             self._count_ranks(dest)
+            order = torch.sort(dest, stable=True).indices
+            by_expert, dest = by_expert[order], dest[order]
         else:
             dest = by_expert // len(self.experts)  # contiguous blocks of experts
-        order = torch.sort(dest, stable=True).indices
-        tokens, slots = pairs[order] // self.top_k, pairs[order] % self.top_k
-        by_expert, dest = by_expert[order], dest[order]
+        sent = pairs if order is None else pairs[order]
+        tokens = sent // self.top_k
         send = torch.bincount(dest, minlength=group.size)
         receive = torch.empty_like(send)
         group.all_to_all(receive, send, [1] * group.size, [1] * group.size)
@@ -187,13 +189,14 @@ class SparseMoE(nn.Module):
             (at,) = (ids == expert).nonzero(as_tuple=True)
             if len(at):
                 result[at] = self.experts[local](rows[at])
-        back = torch.empty_like(mine[tokens])
+        back = x.new_empty(len(tokens), x.shape[1])
         group.all_to_all(back, result, send_splits, receive_splits)
-        # Back in expert order per token, whichever rank computed a pair.
-        by_pair = torch.empty_like(back)
-        by_pair[order] = back
+        if order is not None:  # back in expert order, whichever rank computed a pair
+            in_order = torch.empty_like(back)
+            in_order[order] = back
+            back = in_order
         tokens, slots = pairs // self.top_k, pairs % self.top_k
-        out[:valid].index_add_(0, tokens, by_pair * weights[tokens, slots, None])
+        out[:valid].index_add_(0, tokens, back * weights[tokens, slots, None])
         if self.shared_expert is not None:
             out[:valid] += torch.sigmoid(self.shared_expert_gate(mine)) * self.shared_expert(mine)
         return out

@@ -231,9 +231,10 @@ class Worker:
             moe.expert_load.zero_()
         if self._moe_layers[0].all_to_all:  # each rank routed its own share of the tokens
             self.group.all_reduce(counts)
+        loads = counts.tolist()
         if self.replicas is not None:
-            self.replicas.record(counts.tolist())
-        return counts.tolist()
+            self.replicas.record(loads)
+        return loads
 
     def _forward_stage(self, step: StepInput, batch: PreparedBatch) -> torch.Tensor | None:
         """This stage's part of the forward, micro-batch by micro-batch: the hidden
