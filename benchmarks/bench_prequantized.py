@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import MODEL_DIR, build_model  # noqa: E402
-from bench_quant import method_options  # noqa: E402
+from bench_quant import method_options, resident_bytes  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.ceilings import CACHE  # noqa: E402
@@ -36,11 +36,7 @@ PROMPT = [5, 17, 42, 99, 3, 8, 1, 2, 3, 4, 5, 6, 7, 300, 12]
 
 
 def _load_in_child(model_dir: str, options: dict, threads: int, queue) -> None:
-    def rss() -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * resource.getpagesize()
-
-    before = rss()
+    before = resident_bytes()
     start = time.perf_counter()
     llm = LLM(model_dir, progress=False, num_threads=threads, kv_cache_memory=2**26, **options)
     load_s = time.perf_counter() - start

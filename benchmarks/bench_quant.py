@@ -142,18 +142,20 @@ def speed(model_dir: Path, args: argparse.Namespace) -> dict[str, dict]:
 
 # ---- load time and memory (a fresh process per method) -------------------------------
 
-def _load_in_child(model_dir: str, options: dict, threads: int, queue) -> None:
-    def rss() -> int:
-        with open("/proc/self/statm") as statm:
-            return int(statm.read().split()[1]) * resource.getpagesize()
+def resident_bytes() -> int:
+    """This process's resident memory now."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * resource.getpagesize()
 
-    before = rss()
+
+def _load_in_child(model_dir: str, options: dict, threads: int, queue) -> None:
+    before = resident_bytes()
     start = time.perf_counter()
     llm = LLM(model_dir, progress=False, num_threads=threads, kv_cache_memory=2**26, **options)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=2))  # first product
     queue.put({"load_s": time.perf_counter() - start,
                "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-               "rss_growth_mib": (rss() - before) / 2**20,
+               "rss_growth_mib": (resident_bytes() - before) / 2**20,
                "weights_mib": llm.engine.info.memory.weights / 2**20})
 
 

@@ -11,7 +11,7 @@ import tokenmill.dist.expert_replicas as module
 from tokenmill import LLM
 from tokenmill.dist.eplb import Placement
 from tokenmill.dist.expert_replicas import ExpertReplicas, plan_moves, slot_experts
-from tests.dist.test_tensor_parallel import PARAMS, PROMPTS, assert_same
+from tests.dist.test_tensor_parallel import assert_same, generate
 
 
 def test_a_replan_keeps_held_experts_in_their_slots():
@@ -94,14 +94,6 @@ def test_a_replan_that_gains_little_moves_nothing():
     _, moves = rebalanced(replicas)
     assert moves == [] and replicas.placement is before
     assert replicas.router.estimate == before.rank_loads([40, 2, 2, 2])
-
-
-def generate(model_dir, **options):
-    llm = LLM(str(model_dir), progress=False, **options)
-    try:
-        return llm.generate(PROMPTS, PARAMS), llm.engine
-    finally:
-        llm.engine.shutdown()
 
 
 # Choosing among identical copies never changes output: every policy, with the copies

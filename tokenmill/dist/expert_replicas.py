@@ -124,9 +124,7 @@ class ExpertReplicas:
             _move_weights(moe, moves, self.rank, self.size)
         self.placement, self.slots = placement, slots
         moe.set_slots(self.local_slots)
-        turns = self.router._turn
-        self.router = Router(placement, self.policy, ranks_per_node=self.size)
-        self.router._turn = turns  # round-robin goes on where it was
+        self.router.placement = placement  # round-robin goes on where it was
         self.router.refresh(placement.rank_loads(loads))
         self.moves += len(moves)
         return len(moves)

@@ -83,23 +83,23 @@ class _EngineCollector(Collector):
             for expert, count in enumerate(counts):
                 tokens.add_metric([*values, str(layer), str(expert)], count)
         yield tokens
-        ratio = GaugeMetricFamily(
-            PREFIX + "moe_load_imbalance",
-            "Busiest expert's tokens over the mean expert's, per MoE layer, over the "
-            "engine's window (--expert-stats-window-s; 1 = balanced).",
-            labels=[*labels, "layer"])
-        for layer, value in enumerate(snap.expert_imbalance):
-            ratio.add_metric([*values, str(layer)], value)
-        yield ratio
+        yield _per_layer_gauge(
+            "moe_load_imbalance", "Busiest expert's tokens over the mean expert's, per MoE "
+            "layer, over the engine's window (--expert-stats-window-s; 1 = balanced).",
+            snap.expert_imbalance, labels, values)
         if snap.rank_imbalance:
-            ranks = GaugeMetricFamily(
-                PREFIX + "moe_rank_imbalance",
-                "With replicated experts: the busiest rank's (token, expert) pairs over the "
-                "mean rank's, per MoE layer, over the same window (1 = balanced).",
-                labels=[*labels, "layer"])
-            for layer, value in enumerate(snap.rank_imbalance):
-                ranks.add_metric([*values, str(layer)], value)
-            yield ranks
+            yield _per_layer_gauge(
+                "moe_rank_imbalance", "With replicated experts: the busiest rank's (token, "
+                "expert) pairs over the mean rank's, per MoE layer, over the same window "
+                "(1 = balanced).", snap.rank_imbalance, labels, values)
+
+
+def _per_layer_gauge(name: str, documentation: str, per_layer, labels: list[str],
+                     values: list[str]) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(PREFIX + name, documentation, labels=[*labels, "layer"])
+    for layer, value in enumerate(per_layer):
+        gauge.add_metric([*values, str(layer)], value)
+    return gauge
 
 
 class ServerMetrics:
