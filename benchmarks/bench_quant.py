@@ -54,6 +54,10 @@ METHODS = {
     "int4-awq": {"quantization": "int4", "quantization_method": "awq"},
     "int4-rtn-fp32-head": {"quantization": "int4", "quantization_method": "rtn",
                            "quantization_exclude": "lm_head"},
+    # int8 activations (W8A8 / W4A8 on AVX-512 VNNI), as llama.cpp's products do.
+    "int8-a8": {"quantization": "int8", "quantization_activations": "int8"},
+    "int4-rtn-a8": {"quantization": "int4", "quantization_method": "rtn",
+                    "quantization_activations": "int8"},
 }
 
 

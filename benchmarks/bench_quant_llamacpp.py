@@ -11,6 +11,8 @@ and the load average at the start and end (timings from a busy machine are noise
 
     python benchmarks/bench_quant_llamacpp.py [--threads 2] [--repeats 3]
         [--methods fp32,int8,int4-rtn,int4-hqq] [--json out.json]
+
+A method may name the attention backend it runs with: `int8-a8@paged-native`.
 """
 
 from __future__ import annotations
@@ -60,6 +62,14 @@ def tokenmill_decode(llm: LLM, rng: random.Random, prompt: int, new_tokens: int)
     return 1.0 / out.outputs[0].metrics.time_per_output_token
 
 
+def tokenmill_llm(model_dir: Path, spec: str, args: argparse.Namespace) -> LLM:
+    """An engine for `method[@attention_backend]`."""
+    method, _, backend = spec.partition("@")
+    return LLM(str(model_dir), progress=False, num_threads=args.threads,
+               kv_cache_memory=2**28, attention_backend=backend or "paged",
+               **method_options(method, args.group_size))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -72,8 +82,7 @@ def main() -> int:
     args = parser.parse_args()
     model_dir = build_model(MODEL_DIR)
     ggufs = gguf_files(model_dir)
-    llms = {f"tokenmill {m}": LLM(str(model_dir), progress=False, num_threads=args.threads,
-                                  kv_cache_memory=2**28, **method_options(m, args.group_size))
+    llms = {f"tokenmill {m}": tokenmill_llm(model_dir, m, args)
             for m in args.methods.split(",")}
     rng = random.Random(0)
     for llm in llms.values():  # warm-up: kernel tables, oneDNN shapes

@@ -16,13 +16,15 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler for the 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [
     (14, 2, 64, 16), (8, 8, 32, 4), (4, 1, 16, 1)])
-def test_the_kernel_equals_gathered_attention(heads, kv_heads, head_dim, block_size):
+# A lone long request is split into shares across threads, merged at the end.
+@pytest.mark.parametrize("contexts", [(1, 7, 80, 83), (40 * 16 + 5,)])
+def test_the_kernel_equals_gathered_attention(heads, kv_heads, head_dim, block_size, contexts):
     generator = torch.Generator().manual_seed(0)
-    blocks = 64
+    blocks = 1024
     keys = torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator)
     values = torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator)
-    lengths = torch.tensor([1, 7, block_size * 5, block_size * 5 + 3])
-    width = 6
+    lengths = torch.tensor(contexts)
+    width = -(-max(contexts) // block_size)
     tables = torch.stack([torch.randperm(blocks, generator=generator)[:width] for _ in lengths])
     q = torch.randn(len(lengths), heads, head_dim, generator=generator)
     out = kernel.paged_decode(q, keys, values, tables, lengths, 0.3)

@@ -155,12 +155,13 @@ class ModelConfig:
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANTIZATION_METHODS = ("rtn", "hqq", "awq")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+QUANTIZATION_ACTIVATIONS = ("float32", "int8")
 
 
 @dataclass(frozen=True)
 class QuantConfig:
-    """Weight-only quantization of the Linear layers (projections, experts, LM head),
-    applied when the float checkpoint is loaded; activations stay float32."""
+    """Weight quantization of the Linear layers (projections, experts, LM head), applied
+    when the float checkpoint is loaded; activations float32 unless asked otherwise."""
 
     # none | int8: symmetric codes, one scale per output channel (or per group of
     # quantization_group_size input columns when set) | int4: asymmetric codes, a scale
@@ -181,12 +182,22 @@ class QuantConfig:
     # quantized, both read its codes; excluded, both stay float. MoE routers are never
     # quantized (their scores pick experts).
     quantization_exclude: str = ""
+    # float32: the products take float32 activations (equal to the dequantized
+    # weight's products up to rounding) | int8: each row is rounded to int8 per 32
+    # input columns and multiplied by AVX-512 VNNI integer dot products (W8A8 / W4A8,
+    # as llama.cpp's quantized products do): faster, not exact. Quantized weights
+    # only (--quantization, or a pre-quantized checkpoint); a CPU without VNNI keeps
+    # float32 activations (logged).
+    quantization_activations: Literal["float32", "int8"] = "float32"
 
     def __post_init__(self) -> None:
         _require(self.quantization in QUANTIZATIONS, "quantization", f"one of {QUANTIZATIONS}",
                  self.quantization)
         _require(self.quantization_method in QUANTIZATION_METHODS, "quantization_method",
                  f"one of {QUANTIZATION_METHODS}", self.quantization_method)
+        _require(self.quantization_activations in QUANTIZATION_ACTIVATIONS,
+                 "quantization_activations", f"one of {QUANTIZATION_ACTIVATIONS}",
+                 self.quantization_activations)
         if self.quantization_group_size is not None:
             _require(self.quantization_group_size in QUANTIZATION_GROUP_SIZES,
                      "quantization_group_size", f"one of {QUANTIZATION_GROUP_SIZES} or None",

@@ -66,12 +66,17 @@ class Attention(nn.Module):
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        else:
+            # Q and K sit side by side in each row: one rotation for both heads' kinds
+            # (half the small ops a decode step spends on rope; the same arithmetic).
+            qk = qkv[:, :self.q_size + self.kv_size].view(
+                num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
         out = attention(self.layer_index, q, k, v.contiguous(), self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -13,6 +13,14 @@ Two kernels compute x [rows, in] @ W^T + b for a PackedWeight:
 
 Which kernel serves which row count is measured on the machine (`KernelTable`,
 cached per CPU, torch version and thread count), not assumed from one host.
+
+With int8 activations (`--quantization-activations int8`, W8A8 / W4A8) one kernel
+serves every row count: csrc/qlinear_a8.cpp quantizes each row per 32 columns and
+multiplies with AVX-512 VNNI integer dot products (llama.cpp's approach: its Q8_0 /
+Q4_K products quantize activations too). It changes numerics (the activations are
+rounded), so it is a choice the user makes, not one a measurement makes; on a CPU
+without VNNI, or a layer whose widths are not multiples of 32, the float32 kernels
+serve.
 """
 
 from __future__ import annotations
@@ -31,7 +39,9 @@ from tokenmill.quant.packing import LANES, PackedWeight, pack
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "qlinear.cpp"
-KERNELS = ("native", "dequantize")
+SOURCE_A8 = Path(__file__).resolve().parent / "csrc" / "qlinear_a8.cpp"
+ACTIVATION_CHUNK = 32  # activation columns per int8 scale (qlinear_a8.cpp)
+KERNELS = ("native", "dequantize")  # the float32-activation kernels a table measures
 # Row-count classes a kernel is chosen for: a product of n rows takes the first class
 # whose bound is >= n (decode at batch 1, small and large decode batches, prefill).
 ROW_CLASSES = (1, 8, 32, 256)
@@ -41,6 +51,35 @@ def native_library():
     """The compiled kernels (built once per CPU and torch version), or None where they
     cannot be built: the dequantize kernel serves then."""
     return build_extension("qlinear", SOURCE)
+
+
+def a8_library():
+    """The int8-activation kernels, or None where they cannot be built or this CPU
+    lacks AVX-512 VNNI and VBMI."""
+    library = build_extension("qlinear_a8", SOURCE_A8)
+    return library if library is not None and library.supported() else None
+
+
+def a8_fits(weight: PackedWeight) -> bool:
+    return (weight.in_features % ACTIVATION_CHUNK == 0
+            and weight.group_size % ACTIVATION_CHUNK == 0)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the int8-activation kernels see it: each row's 32-column chunks rounded to
+    int8 codes times max |x| / 127 (the reference their tests compare against)."""
+    chunks = x.reshape(-1, ACTIVATION_CHUNK)
+    amax = chunks.abs().amax(dim=1, keepdim=True)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    codes = torch.round(chunks * inverse).clamp(-127, 127)
+    return (codes * (amax / 127.0)).reshape(x.shape)
+
+
+def a8_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W^T + b with x quantized to int8 per 32 columns (W8A8 / W4A8)."""
+    return a8_library().quantized_linear_a8(
+        _rows(x), weight.codes, weight.scales, weight.offsets, bias, weight.out_features,
+        weight.group_size, weight.bits == 4)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -81,16 +120,25 @@ def dequantize_linear(x: torch.Tensor, weight: PackedWeight,
     return out + bias if bias is not None else out
 
 
-_KERNEL_FUNCTIONS = {"native": native_linear, "dequantize": dequantize_linear}
+def a8_or_native_linear(x: torch.Tensor, weight: PackedWeight,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """int8 activations where the weight's widths allow (multiples of 32), else float32."""
+    if a8_fits(weight):
+        return a8_linear(x, weight, bias)
+    return native_linear(x, weight, bias)
+
+
+_KERNEL_FUNCTIONS = {"native": native_linear, "dequantize": dequantize_linear,
+                     "a8": a8_or_native_linear}
 
 
 class KernelTable:
     """Which kernel serves a product of n rows (one choice per row class)."""
 
     def __init__(self, choices: dict[int, str]) -> None:
-        unknown = set(choices.values()) - set(KERNELS)
+        unknown = set(choices.values()) - set(_KERNEL_FUNCTIONS)
         if unknown or set(choices) != set(ROW_CLASSES):
-            raise ValueError(f"a kernel table maps {ROW_CLASSES} to {KERNELS}, got {choices}")
+            raise ValueError(f"a kernel table maps {ROW_CLASSES} to {tuple(_KERNEL_FUNCTIONS)}, got {choices}")
         self.choices = dict(sorted(choices.items()))
 
     @classmethod
@@ -135,8 +183,15 @@ def measure_kernel_table(bits: int) -> KernelTable:
     return KernelTable(choices)
 
 
-def kernel_table(bits: int, threads: int | None = None) -> KernelTable:
-    """The measured table for this machine, from the cache when it was measured before."""
+def kernel_table(bits: int, threads: int | None = None,
+                 activations: str = "float32") -> KernelTable:
+    """The measured table for this machine, from the cache when it was measured before;
+    with int8 activations, the VNNI kernel for every row count where the CPU has it."""
+    if activations == "int8":
+        if a8_library() is not None:
+            return KernelTable.uniform("a8")
+        logger.warning("quantization_activations int8: this CPU (or compiler) has no "
+                       "AVX-512 VNNI + VBMI kernels; activations stay float32")
     if native_library() is None:
         return KernelTable.uniform("dequantize")
     threads = threads or torch.get_num_threads()

@@ -32,12 +32,15 @@ class QuantScheme:
     bits: int
     group_size: int | None
     algorithm: str = "rtn"
+    # float32 or int8: what the products round the activations to (kernels.py).
+    activations: str = "float32"
 
     @property
     def name(self) -> str:
         group = f"-g{self.group_size}" if self.group_size else ""
         algorithm = f"-{self.algorithm}" if self.bits == 4 else ""
-        return f"int{self.bits}{algorithm}{group}"
+        activations = "-a8" if self.activations == "int8" else ""
+        return f"int{self.bits}{algorithm}{group}{activations}"
 
     def group_for(self, in_features: int) -> int:
         return self.group_size or in_features
@@ -62,7 +65,7 @@ class QuantScheme:
 
 
 class QuantizedLinearMethod(LinearMethod):
-    """Weight-only quantization: float32 activations, int8 / int4 codes (inference only)."""
+    """int8 / int4 codes; float32 or int8 activations (inference only)."""
 
     def __init__(self, scheme: QuantScheme, kernels: KernelTable | None = None) -> None:
         self.scheme = scheme
@@ -74,7 +77,7 @@ class QuantizedLinearMethod(LinearMethod):
     @property
     def kernels(self) -> KernelTable:
         if self._kernels is None:
-            self._kernels = kernel_table(self.scheme.bits)
+            self._kernels = kernel_table(self.scheme.bits, activations=self.scheme.activations)
         return self._kernels
 
     def finalize(self, layer: Linear) -> None:

@@ -21,7 +21,8 @@ logger = logging.getLogger(__name__)
 
 def scheme_for(config: QuantConfig) -> QuantScheme:
     bits = 8 if config.quantization == "int8" else 4
-    return QuantScheme(bits, config.group_size, config.quantization_method)
+    return QuantScheme(bits, config.group_size, config.quantization_method,
+                       config.quantization_activations)
 
 
 class WrappedProducts(ProductPolicy):
@@ -85,6 +86,10 @@ def quantized_products(config: QuantConfig, base: ProductPolicy,
     Raises ValueError where the kernels do not apply (they take float32 activations
     on the CPU)."""
     if config.quantization == "none":
+        if config.quantization_activations != "float32":
+            raise ValueError("quantization_activations: int8 activations need quantized "
+                             "weights (--quantization int8 or int4, or a pre-quantized "
+                             "checkpoint)")
         return base
     if base.device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"quantization: {config.quantization!r} runs float32 models on "

@@ -8,6 +8,7 @@ what the same settings quantizing at load compute.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -144,6 +145,9 @@ def saved_products(settings: dict, layers: set[str], base: ProductPolicy,
     if base.device.type != "cpu" or dtype != torch.float32:
         raise ValueError(f"model: a pre-quantized checkpoint ({scheme_for(saved).name}) "
                          f"runs float32 on the CPU, not {dtype} on {base.device.type}")
+    # The activations are the engine's choice, not the checkpoint's.
+    scheme = dataclasses.replace(scheme_for(saved),
+                                 activations=requested.quantization_activations)
     logger.info("pre-quantized checkpoint: %d layers load %s as saved", len(layers),
-                scheme_for(saved).name)
-    return SavedProducts(base, saved_method(scheme_for(saved)), layers)
+                scheme.name)
+    return SavedProducts(base, saved_method(scheme), layers)

@@ -1,12 +1,18 @@
 // Decode attention read in place from the paged KV cache: no gathered copy of any
 // request's context, no padding to the longest request.
 //
-// Each (request, KV head) is one work item on torch's thread pool: the G query heads
-// that share the KV head walk the request's blocks in its block table, scoring a
-// block's keys, then folding the block into a running softmax (the running maximum,
-// the sum of exponentials and the weighted sum of values, rescaled when the maximum
-// grows), so each key and value is read once, where it lies. float32 throughout;
-// built with -ffast-math for vector exponentials and reassociated dot products.
+// A work item on torch's thread pool is one request's run of consecutive blocks (its
+// whole context, or a share of it when there are fewer requests than threads): for
+// each block in its block table it scores every token's keys against all query heads
+// (the G query heads of a KV head against that head's key), then folds the block into
+// a running softmax per query head (the running maximum, the sum of exponentials and
+// the weighted sum of values, rescaled when the maximum grows). A block is one
+// contiguous run of memory ([block_size][KV heads][head_dim]), read once, front to
+// back, while the next block of the table is prefetched: blocks lie anywhere in the
+// pool, where the hardware prefetcher cannot follow. A request split into several
+// shares has them merged at the end (the shares' maxima rescale their sums), as
+// flash-decoding does on GPUs. float32 throughout; built with -ffast-math for vector
+// exponentials and reassociated dot products.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,6 +21,9 @@
 #include <vector>
 
 namespace {
+
+constexpr int64_t kMinBlocksPerShare = 4;
+constexpr float kNoScore = -1e30f;  // finite: -ffast-math assumes no infinities
 
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.0f;
@@ -26,6 +35,73 @@ inline float dot(const float* a, const float* b, int64_t n) {
 inline void scale_add(float* acc, const float* v, float p, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
+}
+
+inline void prefetch_block(const float* keys, const float* values, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) {
+    __builtin_prefetch(keys + i);
+    __builtin_prefetch(values + i);
+  }
+}
+
+struct Geometry {
+  int64_t heads, kv_heads, group, head_dim, block_size, width;
+};
+
+// One share of one request: blocks [first, last) of its table, `length` keys in all.
+// Leaves per query head the running maximum, the sum of exponentials and the
+// unnormalised weighted sum of values in `state` ([heads][head_dim + 2]).
+void attend_share(const Geometry& g, const float* query, const float* k_data,
+                  const float* v_data, const int64_t* table, int64_t length, int64_t first,
+                  int64_t last, float scale, float* state, std::vector<float>& scores) {
+  const int64_t stride = g.head_dim + 2, block_floats = g.block_size * g.kv_heads * g.head_dim;
+  for (int64_t h = 0; h < g.heads; ++h) {
+    float* s = state + h * stride;
+    std::fill(s, s + g.head_dim, 0.0f);
+    s[g.head_dim] = kNoScore;  // running maximum
+    s[g.head_dim + 1] = 0.0f;  // sum of exponentials
+  }
+  for (int64_t b = first; b < last; ++b) {
+    const int64_t start = b * g.block_size;
+    const int64_t count = std::min(g.block_size, length - start);
+    if (count <= 0) break;
+    const float* keys = k_data + table[b] * block_floats;
+    const float* values = v_data + table[b] * block_floats;
+    if (b + 1 < last && start + g.block_size < length)
+      prefetch_block(k_data + table[b + 1] * block_floats, v_data + table[b + 1] * block_floats,
+                     block_floats);
+    // scores[h][t] for the block's tokens, keys read in memory order.
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t kv = 0; kv < g.kv_heads; ++kv) {
+        const float* key = keys + (t * g.kv_heads + kv) * g.head_dim;
+        for (int64_t q = kv * g.group; q < (kv + 1) * g.group; ++q)
+          scores[q * g.block_size + t] = scale * dot(query + q * g.head_dim, key, g.head_dim);
+      }
+    for (int64_t h = 0; h < g.heads; ++h) {
+      float* score = scores.data() + h * g.block_size;
+      float* s = state + h * stride;
+      float block_max = kNoScore;
+      for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, score[t]);
+      const float new_max = std::max(s[g.head_dim], block_max);
+      const float rescale = std::exp(s[g.head_dim] - new_max);
+      float block_total = 0.0f;
+#pragma omp simd reduction(+ : block_total)
+      for (int64_t t = 0; t < count; ++t) {  // vector exp (libmvec)
+        score[t] = std::exp(score[t] - new_max);
+        block_total += score[t];
+      }
+#pragma omp simd
+      for (int64_t i = 0; i < g.head_dim; ++i) s[i] *= rescale;
+      s[g.head_dim + 1] = s[g.head_dim + 1] * rescale + block_total;
+      s[g.head_dim] = new_max;
+    }
+    for (int64_t t = 0; t < count; ++t)
+      for (int64_t kv = 0; kv < g.kv_heads; ++kv) {
+        const float* value = values + (t * g.kv_heads + kv) * g.head_dim;
+        for (int64_t q = kv * g.group; q < (kv + 1) * g.group; ++q)
+          scale_add(state + q * stride, value, scores[q * g.block_size + t], g.head_dim);
+      }
+  }
 }
 
 }  // namespace
@@ -40,9 +116,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
   TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() &&
                   tables.is_contiguous() && lengths.is_contiguous(),
               "paged_decode takes contiguous tensors");
-  const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
-  const int64_t block_size = keys.size(1), kv_heads = keys.size(2);
-  const int64_t group = heads / kv_heads, width = tables.size(1);
+  const int64_t rows = q.size(0);
+  const Geometry g{q.size(1), keys.size(2), q.size(1) / keys.size(2), q.size(2), keys.size(1),
+                   tables.size(1)};
   auto out = torch::empty_like(q);
   const float* q_data = q.data_ptr<float>();
   const float* k_data = keys.data_ptr<float>();
@@ -51,63 +127,50 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
   const int64_t* length_data = lengths.data_ptr<int64_t>();
   float* out_data = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
-  const int64_t token_stride = kv_heads * head_dim;  // between a block's tokens
 
-  at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(group * head_dim), running_max(group), total(group);
-    std::vector<float> scores(group * block_size);
+  // Shares per request: enough items for two per thread, none under a few blocks.
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, length_data[r]);
+  const int64_t longest_blocks = (longest + g.block_size - 1) / g.block_size;
+  const int64_t threads = at::get_num_threads();
+  const int64_t shares = std::max<int64_t>(
+      1, std::min((2 * threads + rows - 1) / rows, longest_blocks / kMinBlocksPerShare));
+  const int64_t stride = g.head_dim + 2;
+  std::vector<float> states(rows * shares * g.heads * stride);
+
+  at::parallel_for(0, rows * shares, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(g.heads * g.block_size);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / kv_heads, kv_head = item % kv_heads;
+      const int64_t row = item / shares, share = item % shares;
       const int64_t length = length_data[row];
-      const float* query = q_data + (row * heads + kv_head * group) * head_dim;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      // Finite, not -inf: built with -ffast-math, which assumes no infinities.
-      std::fill(running_max.begin(), running_max.end(), -1e30f);
-      std::fill(total.begin(), total.end(), 0.0f);
-      for (int64_t start = 0, b = 0; start < length && b < width; start += block_size, ++b) {
-        const int64_t block = table_data[row * width + b];
-        const int64_t count = std::min(block_size, length - start);
-        const int64_t base = (block * block_size * kv_heads + kv_head) * head_dim;
-        const float* block_keys = k_data + base;
-        const float* block_values = v_data + base;
-        // Each key once, against the G query heads.
-        for (int64_t t = 0; t < count; ++t) {
-          const float* key = block_keys + t * token_stride;
-          for (int64_t g = 0; g < group; ++g)
-            scores[g * block_size + t] = s * dot(query + g * head_dim, key, head_dim);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          float* score = scores.data() + g * block_size;
-          float block_max = -1e30f;
-          for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, score[t]);
-          const float new_max = std::max(running_max[g], block_max);
-          const float rescale = std::exp(running_max[g] - new_max);
-          float block_total = 0.0f;
-#pragma omp simd reduction(+ : block_total)
-          for (int64_t t = 0; t < count; ++t) {  // vector exp (libmvec)
-            score[t] = std::exp(score[t] - new_max);
-            block_total += score[t];
-          }
-          float* sum = acc.data() + g * head_dim;
-#pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) sum[i] *= rescale;
-          total[g] = total[g] * rescale + block_total;
-          running_max[g] = new_max;
-        }
-        // Each value once, into the G heads' sums.
-        for (int64_t t = 0; t < count; ++t) {
-          const float* value = block_values + t * token_stride;
-          for (int64_t g = 0; g < group; ++g)
-            scale_add(acc.data() + g * head_dim, value, scores[g * block_size + t], head_dim);
-        }
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        float* target = out_data + (row * heads + kv_head * group + g) * head_dim;
-        const float inverse = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
-        for (int64_t i = 0; i < head_dim; ++i) target[i] = acc[g * head_dim + i] * inverse;
-      }
+      const int64_t blocks = std::min((length + g.block_size - 1) / g.block_size, g.width);
+      const int64_t per_share = (blocks + shares - 1) / shares;
+      attend_share(g, q_data + row * g.heads * g.head_dim, k_data, v_data,
+                   table_data + row * g.width, length, share * per_share,
+                   std::min(blocks, (share + 1) * per_share), s,
+                   states.data() + item * g.heads * stride, scores);
     }
   });
+
+  // Merge each request's shares: rescale to the largest maximum, then normalise.
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t h = 0; h < g.heads; ++h) {
+      float top = kNoScore;
+      for (int64_t share = 0; share < shares; ++share)
+        top = std::max(top, states[((row * shares + share) * g.heads + h) * stride + g.head_dim]);
+      float* target = out_data + (row * g.heads + h) * g.head_dim;
+      std::fill(target, target + g.head_dim, 0.0f);
+      float total = 0.0f;
+      for (int64_t share = 0; share < shares; ++share) {
+        const float* state = states.data() + ((row * shares + share) * g.heads + h) * stride;
+        if (state[g.head_dim + 1] == 0.0f) continue;  // an empty share
+        const float weight = std::exp(state[g.head_dim] - top);
+        total += state[g.head_dim + 1] * weight;
+        scale_add(target, state, weight, g.head_dim);
+      }
+      const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+      for (int64_t i = 0; i < g.head_dim; ++i) target[i] *= inverse;
+    }
   return out;
 }
 
