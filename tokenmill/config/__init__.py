@@ -286,7 +286,8 @@ class AttentionConfig:
     # A name registered in tokenmill/attention/registry.py (checked when the worker
     # builds it: backends can be registered at run time).
     attention_backend: str = field(
-        default="paged", metadata={"registry": "tokenmill.attention.registry:ATTENTION_BACKENDS"})
+        default="paged-native",
+        metadata={"registry": "tokenmill.attention.registry:ATTENTION_BACKENDS"})
 
     def __post_init__(self) -> None:
         _require(isinstance(self.attention_backend, str) and bool(self.attention_backend),

@@ -40,7 +40,7 @@ class PreparedBatch:
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ArchConfig, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
-                 kv_cache_dtype: str = "auto", attention_backend: str = "paged",
+                 kv_cache_dtype: str = "auto", attention_backend: str = "paged-native",
                  early_exit: EarlyExit | None = None) -> None:
         self.model = model
         if early_exit is not None and not 1 <= early_exit.layer < arch.num_layers:
