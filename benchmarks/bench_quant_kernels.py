@@ -13,6 +13,8 @@ far more bytes than the caches hold, as in a real decode step. Candidates, inter
     int8 torch-bf16   aten._weight_int8pack_mm (vectorised for bfloat16 activations only:
                       x is cast to bf16 and back around the call)
     int4 torch-bf16   aten._weight_int4pack_mm_for_cpu, group 128, likewise
+    int8 native-a8    csrc/qlinear_a8.cpp: activations rounded to int8 per 32 columns,
+    int4 native-a8    AVX-512 VNNI dot products (only where the CPU has them)
 
 For each: median ms per pass, the weight bytes streamed per second, the ratio to fp32
 and the largest error against the product with the dequantized float32 weight (the
@@ -55,6 +57,10 @@ def candidate_forms(weight: torch.Tensor) -> dict:
     def bf16(fn):
         return lambda x: fn(x.to(torch.bfloat16)).float()
 
+    a8 = {}
+    if kernels.a8_library() is not None:
+        a8 = {"int8 native-a8": (lambda x: kernels.a8_linear(x, p8, None), dequantize(q8)),
+              "int4 native-a8": (lambda x: kernels.a8_linear(x, p4, None), dequantize(q4))}
     return {
         "fp32 onednn": (lambda x: onednn_linear(x, onednn), None),
         "int8 native": (lambda x: kernels.native_linear(x, p8, None), dequantize(q8)),
@@ -65,7 +71,7 @@ def candidate_forms(weight: torch.Tensor) -> dict:
             x, q8.codes, scales8)), dequantize(q8)),
         "int4 torch-bf16": (bf16(lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
             x, packed4, 128, scale_zero)), dequantize(q4)),
-    }
+    } | a8
 
 
 BYTES_PER_WEIGHT = {"fp32": 4.0, "int8": 1.0, "int4": 0.5 + 8 / 128}
