@@ -33,6 +33,10 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
+    # Sparse backends (quest): tokens of context a decode query attends to, and how
+    # many leading layers stay dense.
+    sparse_budget: int = 1024
+    sparse_dense_layers: int = 2
 
 
 @dataclass

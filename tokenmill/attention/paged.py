@@ -110,7 +110,8 @@ class PagedAttention(AttentionBackend):
         out = torch.empty_like(q)
         num_decode = metadata.num_decode_tokens
         if num_decode:
-            out[:num_decode] = self._decode(q[:num_decode], kv_cache, metadata, scale)
+            out[:num_decode] = self._decode(q[:num_decode], kv_cache, metadata, scale,
+                                            layer_index)
         for chunk in metadata.prefills:
             out[chunk.start:chunk.end] = self._prefill(q, k, v, chunk, kv_cache, scale)
         return out
@@ -142,7 +143,7 @@ class PagedAttention(AttentionBackend):
         return o[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, layer_index: int) -> torch.Tensor:
         keys, values = kv_cache.gather(metadata.decode_block_tables)  # [D, L, KVH, Dh]
         rows, query_len = keys.shape[0], metadata.decode_query_len
         if query_len > 1:  # rows' tokens into a [D * Q] grid (padding queries are zero)

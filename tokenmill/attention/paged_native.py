@@ -1,15 +1,17 @@
-"""Paged attention whose decode rows read the KV cache in place (`paged-native`).
+"""Paged attention whose decode rows read the KV cache in place (`paged-native`, the
+default backend).
 
 The `paged` backend gathers every decode row's whole context out of the block pool
 into a padded batch, each layer of each step, and runs one masked SDPA over it. Here
 a small C++ kernel (csrc/paged_decode.cpp, compiled for this CPU at first use) walks
-each request's block table instead: per (request, KV head), the query heads sharing
-the KV head score one block's keys at a time and fold it into a running softmax, so
-the context is read once, where it lies, with no copy and no padding to the longest
-request. Prefill chunks and speculative (multi-token) decode rows, a quantized cache,
-a non-float32 model or a device without the kernel take the `paged` path unchanged.
-The sums run in another order than SDPA's: outputs agree to float32 rounding, not
-bit for bit.
+each request's block table instead: a work item is a request's run of blocks (split
+into shares when requests are fewer than threads), each block read front to back with
+all heads and folded into a running softmax per query head while the next block is
+prefetched, so the context is read once, where it lies, with no copy and no padding to
+the longest request. Prefill chunks and speculative (multi-token) decode rows, a
+quantized cache, a non-float32 model or a device without the kernel take the `paged`
+path unchanged. The sums run in another order than SDPA's: outputs agree to float32
+rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -45,11 +47,11 @@ class PagedNativeAttention(PagedAttention):
         return dataclasses.replace(metadata, decode_lengths=lengths)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, layer_index: int) -> torch.Tensor:
         kernel = native_decode() if q.device.type == "cpu" else None
         if (kernel is None or metadata.decode_lengths is None or kv_cache.quantized
                 or q.dtype != torch.float32 or kv_cache.data.dtype != torch.float32):
-            return super()._decode(q, kv_cache, metadata, scale)
+            return super()._decode(q, kv_cache, metadata, scale, layer_index)
         return kernel.paged_decode(q.contiguous(), kv_cache.data[0], kv_cache.data[1],
                                    metadata.decode_block_tables, metadata.decode_lengths,
                                    scale)

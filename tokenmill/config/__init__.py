@@ -288,10 +288,20 @@ class AttentionConfig:
     attention_backend: str = field(
         default="paged-native",
         metadata={"registry": "tokenmill.attention.registry:ATTENTION_BACKENDS"})
+    # Sparse backends (quest): tokens of context each decode query attends to, in whole
+    # blocks (the first block and the query's own always among them); a request whose
+    # context fits attends densely.
+    sparse_budget: int = 1024
+    # Sparse backends: leading layers kept dense (Quest keeps layers 0 and 1 dense).
+    sparse_dense_layers: int = 2
 
     def __post_init__(self) -> None:
         _require(isinstance(self.attention_backend, str) and bool(self.attention_backend),
                  "attention_backend", "a registered backend name", self.attention_backend)
+        _require(isinstance(self.sparse_budget, int) and self.sparse_budget >= 1,
+                 "sparse_budget", "a positive number of tokens", self.sparse_budget)
+        _require(isinstance(self.sparse_dense_layers, int) and self.sparse_dense_layers >= 0,
+                 "sparse_dense_layers", "a number of layers >= 0", self.sparse_dense_layers)
 
 
 @dataclass(frozen=True)
@@ -309,6 +319,9 @@ class EngineConfig:
             _require(self.parallel.world_size == 1 and self.spec.speculative_method is None,
                      "early_exit_layer", "None with parallelism or speculative decoding",
                      self.model.early_exit_layer)
+            _require(self.attention.attention_backend != "quest", "attention_backend",
+                     "not 'quest' with early_exit_layer (its key bounds are per layer)",
+                     self.attention.attention_backend)
         if self.parallel.pipeline_parallel_size > 1:
             # A stage has neither the target's embedding nor its last hidden states at
             # hand, which the EAGLE head reads; AWQ calibrates on whole-model forwards.

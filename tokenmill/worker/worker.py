@@ -112,7 +112,8 @@ class Worker:
                                   config.cache.block_size, loaded.device, loaded.dtype,
                                   config.cache.kv_cache_dtype,
                                   config.attention.attention_backend,
-                                  early_exit(config))
+                                  early_exit(config), config.attention.sparse_budget,
+                                  config.attention.sparse_dense_layers)
         self.sampler = StepSampler(loaded.model, seed=mcfg.seed)
         if context is not None:
             context.target, context.num_blocks = loaded, self.kv_plan.num_blocks
