@@ -1,4 +1,5 @@
-"""Quest (`--attention-backend quest`): the block bound holds, the kept set follows the
+"""Quest and static top-k (`--attention-backend quest | static-topk`): the block bound
+holds, the exact block score is the block's best key, the kept set follows the
 selection rule, a budget that covers the context is dense attention token for token,
 and a small budget still runs with chunked prefill, prefix caching, preemption and an
 int8 cache without leaking a block."""
@@ -10,9 +11,11 @@ import torch
 
 from tests.engine_run import run_staggered
 from tokenmill import SamplingParams
-from tokenmill.attention.quest import block_upper_bounds, select_blocks
+from tokenmill.attention.base import AttentionSpec
+from tokenmill.attention.quest import StaticTopKAttention, block_upper_bounds, select_blocks
 from tokenmill.config import AttentionConfig, EngineConfig, ModelConfig
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.kv import KVCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [list(range(3, 90)), [5, 17, 42] * 20, list(range(100, 131))]
@@ -29,6 +32,27 @@ def test_the_bound_is_at_least_every_key_score_of_its_block():
     # The bound is attained where a block holds a single key.
     single = block_upper_bounds(q, keys[:, :, 0], keys[:, :, 0])
     torch.testing.assert_close(single, scores[..., 0].amax(-1))
+
+
+def test_static_topk_scores_blocks_by_their_best_key():
+    generator = torch.Generator().manual_seed(1)
+    cache = KVCache.allocate(12, 4, 2, 8, torch.float32, torch.float32, torch.device("cpu"))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=generator))
+    backend = StaticTopKAttention(AttentionSpec(1, 4, 2, 8, 4))
+    tables = torch.tensor([[7, 2, 9], [1, 0, 0]])
+    lengths = torch.tensor([10, 3])
+    q = torch.randn(2, 2, 2, 8, generator=generator)
+    scores = backend.block_scores(0, q, tables, lengths, cache)
+    for row in range(2):
+        for logical, block in enumerate(tables[row].tolist()):
+            for head in range(2):
+                count = min(4, int(lengths[row]) - 4 * logical)
+                if count <= 0:
+                    assert scores[row, logical, head] == float("-inf")
+                    continue
+                keys = cache.data[0, block, :count, head]  # [count, Dh]
+                best = (q[row, head] @ keys.t()).max()
+                torch.testing.assert_close(scores[row, logical, head], best)
 
 
 def reference_selection(bounds: torch.Tensor, num_blocks: list[int], keep: int) -> list:
@@ -62,10 +86,11 @@ def run(model_dir, **options) -> tuple[list[list[int]], LLMEngine]:
     return run_staggered(engine, PROMPTS, GREEDY, arrivals=[0, 0, 3]), engine
 
 
-def test_a_budget_covering_the_context_is_dense_attention(model_factory):
+@pytest.mark.parametrize("backend", ["quest", "static-topk"])
+def test_a_budget_covering_the_context_is_dense_attention(model_factory, backend):
     model_dir = model_factory("llama")
     dense, _ = run(model_dir, attention_backend="paged")
-    quest, engine = run(model_dir, attention_backend="quest", sparse_budget=512,
+    quest, engine = run(model_dir, attention_backend=backend, sparse_budget=512,
                         sparse_dense_layers=0)
     assert quest == dense
     backend = engine.executor.worker.runner.backend
@@ -73,9 +98,10 @@ def test_a_budget_covering_the_context_is_dense_attention(model_factory):
     assert backend.active_tokens / backend.queries > 30  # whole contexts were attended
 
 
-def test_a_small_budget_attends_to_fewer_keys_and_composes(model_factory):
+@pytest.mark.parametrize("backend", ["quest", "static-topk"])
+def test_a_small_budget_attends_to_fewer_keys_and_composes(model_factory, backend):
     model_dir = model_factory("llama")
-    options = dict(attention_backend="quest", sparse_budget=8, sparse_dense_layers=1,
+    options = dict(attention_backend=backend, sparse_budget=8, sparse_dense_layers=1,
                    max_num_batched_tokens=16, num_blocks=48, enable_prefix_caching=True)
     for kv in ("auto", "int8"):
         tokens, engine = run(model_dir, kv_cache_dtype=kv, **options)
@@ -89,6 +115,7 @@ def test_a_small_budget_attends_to_fewer_keys_and_composes(model_factory):
 def test_quest_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="sparse_budget"):
         AttentionConfig(attention_backend="quest", sparse_budget=0)
-    with pytest.raises(ValueError, match="attention_backend"):
-        EngineConfig(model=ModelConfig(model="m", early_exit_layer=1),
-                     attention=AttentionConfig(attention_backend="quest"))
+    for backend in ("quest", "static-topk"):
+        with pytest.raises(ValueError, match="attention_backend"):
+            EngineConfig(model=ModelConfig(model="m", early_exit_layer=1),
+                         attention=AttentionConfig(attention_backend=backend))

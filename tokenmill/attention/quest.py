@@ -93,6 +93,13 @@ class QuestAttention(PagedAttention):
         self._update_bounds(layer_index, k, metadata.slot_mapping)
         return super().forward(layer_index, q, k, v, kv_cache, metadata, scale)
 
+    def block_scores(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
+                     lengths: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """[D, W, KVH]: how much each block of each row promises to the query q
+        [D, KVH, G, Dh] (here Quest's upper bound, read from the kept key bounds)."""
+        return block_upper_bounds(q, self.key_min[layer_index][tables],
+                                  self.key_max[layer_index][tables])
+
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
                 scale: float, layer_index: int) -> torch.Tensor:
         if layer_index < self.spec.sparse_dense_layers or metadata.decode_query_len != 1:
@@ -106,10 +113,9 @@ class QuestAttention(PagedAttention):
         lengths = metadata.decode_mask.reshape(rows, -1).sum(-1)
         num_blocks = (lengths + block_size - 1) // block_size
         grouped = q.view(rows, kv_heads, group, head_dim).float()
-        bounds = block_upper_bounds(grouped, self.key_min[layer_index][tables],
-                                    self.key_max[layer_index][tables])
+        scores = self.block_scores(layer_index, grouped, tables, lengths, kv_cache)
         keep = max(1, self.spec.sparse_budget // block_size)
-        chosen = select_blocks(bounds, num_blocks, keep)  # [D, KVH, k]
+        chosen = select_blocks(scores, num_blocks, keep)  # [D, KVH, k]
         physical = tables.gather(1, chosen.reshape(rows, -1)).view_as(chosen)
         head = torch.arange(kv_heads, device=q.device)[None, :, None]
         keys = kv_cache.data[0][physical, :, head]  # [D, KVH, k, block, Dh]
@@ -135,3 +141,23 @@ class QuestAttention(PagedAttention):
             attn_mask=mask[:, :, None, :], scale=scale)  # [D, KVH, G, Dh]
         return out.reshape(rows, heads, head_dim)
 
+
+
+class StaticTopKAttention(QuestAttention):
+    """`--attention-backend static-topk`: the naive baseline. Each (request, KV head)
+    keeps a fixed number of blocks (--sparse-budget tokens) chosen by their exact
+    scores (the largest q . k over the block's keys and the KV head's query heads),
+    computed from every key of the context: as much reading as dense attention, so it
+    saves nothing; it exists to show what a fixed, query-blind budget costs in
+    accuracy (the key bounds of Quest are kept but unused)."""
+
+    name = "static-topk"
+
+    def block_scores(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
+                     lengths: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        keys, _ = kv_cache.gather(tables)  # [D, W * block, KVH, Dh]
+        rows, width = tables.shape
+        scores = torch.einsum("dhgk,dthk->dtgh", q, keys.float())  # [D, W * block, G, KVH]
+        valid = torch.arange(keys.shape[1], device=q.device)[None, :] < lengths[:, None]
+        scores = scores.masked_fill(~valid[:, :, None, None], float("-inf"))
+        return scores.view(rows, width, -1, *scores.shape[2:]).amax(dim=(2, 3))

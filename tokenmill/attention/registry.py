@@ -6,12 +6,13 @@ from __future__ import annotations
 from tokenmill.attention.base import AttentionBackend, AttentionSpec
 from tokenmill.attention.paged import PagedAttention
 from tokenmill.attention.paged_native import PagedNativeAttention
-from tokenmill.attention.quest import QuestAttention
+from tokenmill.attention.quest import QuestAttention, StaticTopKAttention
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     PagedAttention.name: PagedAttention,
     PagedNativeAttention.name: PagedNativeAttention,
     QuestAttention.name: QuestAttention,
+    StaticTopKAttention.name: StaticTopKAttention,
 }
 
 

@@ -288,7 +288,7 @@ class AttentionConfig:
     attention_backend: str = field(
         default="paged-native",
         metadata={"registry": "tokenmill.attention.registry:ATTENTION_BACKENDS"})
-    # Sparse backends (quest): tokens of context each decode query attends to, in whole
+    # Sparse backends (quest, static-topk): tokens of context each decode query attends to, in whole
     # blocks (the first block and the query's own always among them); a request whose
     # context fits attends densely.
     sparse_budget: int = 1024
@@ -319,8 +319,9 @@ class EngineConfig:
             _require(self.parallel.world_size == 1 and self.spec.speculative_method is None,
                      "early_exit_layer", "None with parallelism or speculative decoding",
                      self.model.early_exit_layer)
-            _require(self.attention.attention_backend != "quest", "attention_backend",
-                     "not 'quest' with early_exit_layer (its key bounds are per layer)",
+            _require(self.attention.attention_backend not in ("quest", "static-topk"),
+                     "attention_backend", "not a sparse backend (quest, static-topk) with "
+                     "early_exit_layer (their key bounds are per layer)",
                      self.attention.attention_backend)
         if self.parallel.pipeline_parallel_size > 1:
             # A stage has neither the target's embedding nor its last hidden states at
