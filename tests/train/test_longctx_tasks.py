@@ -43,7 +43,7 @@ def test_contexts_have_the_length_asked(kind, length):
 
 def test_a_needle_is_planted_once_at_its_depth():
     item = make_item("needle", 7, TEXTS, 3000, count_tokens)
-    name = re.search(r"assert (KEY_\w+) == $", item.prompt).group(1)
+    name = re.search(r"assert (KEY_\w+) ==$", item.prompt).group(1)
     lines = context_of(item)
     facts = [i for i, line in enumerate(lines) if line.startswith("KEY_")]
     assert len(facts) == 1 and lines[facts[0]] == f"{name} = {item.answer}"
@@ -53,7 +53,7 @@ def test_a_needle_is_planted_once_at_its_depth():
 
 def test_multi_key_hides_the_key_among_distinct_distractors():
     item = make_item("multi-key", 2, TEXTS, 3000, count_tokens, distractors=6)
-    name = re.search(r"assert (KEY_\w+) == $", item.prompt).group(1)
+    name = re.search(r"assert (KEY_\w+) ==$", item.prompt).group(1)
     facts = dict(line.split(" = ") for line in context_of(item) if line.startswith("KEY_"))
     assert len(facts) == 7 and len(set(facts.values())) == 7
     assert facts[name] == item.answer
@@ -69,7 +69,7 @@ def test_multi_value_lists_every_value_in_context_order():
 
 def test_the_code_task_asks_for_an_early_literal_of_the_file():
     item = make_item("code", 0, TEXTS, 6000, count_tokens)
-    name = re.search(r"assert (\w+) == $", item.prompt).group(1)
+    name = re.search(r"assert (\w+) ==$", item.prompt).group(1)
     lines = context_of(item)
     defining = [i for i, line in enumerate(lines) if line.startswith(f"{name} = ")]
     assert len(defining) == 1 and lines[defining[0]].startswith(f"{name} = {item.answer}")

@@ -6,7 +6,8 @@ texts given), with facts planted at chosen depths, and a last line the model com
 the answer is checkable text:
 
     needle        one `KEY_<name> = <value>` line; the prompt ends with
-                  `assert KEY_<name> == ` and the answer is the value.
+                  `assert KEY_<name> ==` (no trailing space: the space belongs to the
+                  answer's first token) and the answer is the value.
     multi-key     the same, among `distractors` other KEY lines (distinct names and
                   values): the model must find the key asked for.
     multi-value   `KEY_<name>.append(<value>)` lines at `values` depths; the prompt
@@ -14,7 +15,7 @@ the answer is checkable text:
                   context order, `v1, v2, v3]` (aggregation).
     code          a real held-out file: an assignment of a literal to a module-level
                   name in its first fifth is asked about after the whole file
-                  (`assert <name> == `), so the answer lies thousands of tokens back.
+                  (`assert <name> ==`), so the answer lies thousands of tokens back.
 
 Items are a pure function of the seed and the texts (`random.Random`); `length` is
 measured with the caller's tokenizer (`count_tokens`), so a context fits the model it
@@ -41,7 +42,8 @@ class LongContextItem:
 
 
 def score(item: LongContextItem, completion: str) -> bool:
-    """Whether the completion's first line starts with the answer."""
+    """Whether the completion's first line starts with the answer (leading spaces
+    aside)."""
     return completion.lstrip(" ").split("\n", 1)[0].startswith(item.answer)
 
 
@@ -118,7 +120,7 @@ def make_item(kind: str, seed: int, texts: Sequence[str], length: int,
             facts.append(f"KEY_{_name(rng, names)} = {_value(rng, taken)}")
             depths.append(rng.uniform(0.05, 0.95))
     body = _plant(lines, facts, depths)
-    prompt = "\n".join(body) + f"\nassert KEY_{name} == "
+    prompt = "\n".join(body) + f"\nassert KEY_{name} =="
     return LongContextItem(kind, prompt, answer, (depths[0],))
 
 
@@ -162,7 +164,7 @@ def _code_item(rng: random.Random, texts: Sequence[str], length: int,
                  if sum(line.lstrip().startswith(f"{n} =") for line in kept) == 1]
         if early and len(kept) >= 50:
             line, name, literal = rng.choice(early)
-            return LongContextItem("code", text + f"\nassert {name} == ", literal,
+            return LongContextItem("code", text + f"\nassert {name} ==", literal,
                                    (line / len(kept),))
     raise ValueError("code: no text has a module-level literal assignment in its first "
                      "fifth within the length")
