@@ -37,6 +37,14 @@ def native_decode():
 class PagedNativeAttention(PagedAttention):
     name = "paged-native"
 
+    def allocate_state(self, kv_caches: list[KVCache]) -> None:
+        # Build (or load) the kernel at start-up, not in the first request's decode:
+        # compiling takes ~30 s once per CPU and torch version.
+        cache = kv_caches[0] if kv_caches else None
+        if (cache is not None and cache.data.device.type == "cpu" and not cache.quantized
+                and cache.data.dtype == torch.float32):
+            native_decode()
+
     def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
         metadata = super().build_metadata(layout)
         if not layout.num_decode_requests or metadata.decode_query_len != 1:

@@ -33,6 +33,9 @@ def build_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ())
 
         key = build_key(source, extra_cflags)
         build_dir = CACHE / "kernels" / f"{name}-{key}"
+        if not any(build_dir.glob("*.so")):
+            logger.info("compiling the %s kernel for this CPU (once; cached in %s)", name,
+                        build_dir)
         build_dir.mkdir(parents=True, exist_ok=True)
         # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (the soname
         # libgomp.so.1 resolves to the copy torch has already loaded).
