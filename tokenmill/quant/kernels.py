@@ -138,7 +138,8 @@ class KernelTable:
     def __init__(self, choices: dict[int, str]) -> None:
         unknown = set(choices.values()) - set(_KERNEL_FUNCTIONS)
         if unknown or set(choices) != set(ROW_CLASSES):
-            raise ValueError(f"a kernel table maps {ROW_CLASSES} to {tuple(_KERNEL_FUNCTIONS)}, got {choices}")
+            raise ValueError(f"a kernel table maps {ROW_CLASSES} to "
+                             f"{tuple(_KERNEL_FUNCTIONS)}, got {choices}")
         self.choices = dict(sorted(choices.items()))
 
     @classmethod
