@@ -107,8 +107,10 @@ class PagedAttention(AttentionBackend):
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
         kv_cache.write(k, v, metadata.slot_mapping)
-        out = torch.empty_like(q)
         num_decode = metadata.num_decode_tokens
+        if num_decode == q.shape[0]:  # decode rows only: their output is the step's
+            return self._decode(q, kv_cache, metadata, scale, layer_index)
+        out = torch.empty_like(q)
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], kv_cache, metadata, scale,
                                             layer_index)

@@ -60,6 +60,8 @@ class PagedNativeAttention(PagedAttention):
         if (kernel is None or metadata.decode_lengths is None or kv_cache.quantized
                 or q.dtype != torch.float32 or kv_cache.data.dtype != torch.float32):
             return super()._decode(q, kv_cache, metadata, scale, layer_index)
-        return kernel.paged_decode(q.contiguous(), kv_cache.data[0], kv_cache.data[1],
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be strided, not heads
+            q = q.contiguous()
+        return kernel.paged_decode(q, kv_cache.data[0], kv_cache.data[1],
                                    metadata.decode_block_tables, metadata.decode_lengths,
                                    scale)

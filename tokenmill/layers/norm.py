@@ -14,7 +14,7 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32:  # the usual CPU case: no casts to dispatch
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+            return self.weight * (x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_())
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)

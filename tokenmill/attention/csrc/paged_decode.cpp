@@ -106,20 +106,22 @@ void attend_share(const Geometry& g, const float* query, const float* k_data,
 
 }  // namespace
 
-// q [D, H, Dh]; keys, values [blocks, block_size, KVH, Dh]; tables [D, W] int64;
+// q [D, H, Dh] (rows may be strided: Q and K come from one rotated tensor); keys, values
+// [blocks, block_size, KVH, Dh]; tables [D, W] int64;
 // lengths [D] int64: keys row d attends to (its context and its own token).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
                            torch::Tensor tables, torch::Tensor lengths, double scale) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && keys.dtype() == torch::kFloat32 &&
                   values.dtype() == torch::kFloat32,
               "paged_decode takes float32 queries and a float32 cache");
-  TORCH_CHECK(q.is_contiguous() && keys.is_contiguous() && values.is_contiguous() &&
-                  tables.is_contiguous() && lengths.is_contiguous(),
-              "paged_decode takes contiguous tensors");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && keys.is_contiguous() &&
+                  values.is_contiguous() && tables.is_contiguous() && lengths.is_contiguous(),
+              "paged_decode takes contiguous tensors (q: contiguous heads in each row)");
   const int64_t rows = q.size(0);
   const Geometry g{q.size(1), keys.size(2), q.size(1) / keys.size(2), q.size(2), keys.size(1),
                    tables.size(1)};
-  auto out = torch::empty_like(q);
+  auto out = torch::empty({rows, q.size(1), q.size(2)}, q.options());
+  const int64_t q_stride = q.stride(0);
   const float* q_data = q.data_ptr<float>();
   const float* k_data = keys.data_ptr<float>();
   const float* v_data = values.data_ptr<float>();
@@ -145,7 +147,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
       const int64_t length = length_data[row];
       const int64_t blocks = std::min((length + g.block_size - 1) / g.block_size, g.width);
       const int64_t per_share = (blocks + shares - 1) / shares;
-      attend_share(g, q_data + row * g.heads * g.head_dim, k_data, v_data,
+      attend_share(g, q_data + row * q_stride, k_data, v_data,
                    table_data + row * g.width, length, share * per_share,
                    std::min(blocks, (share + 1) * per_share), s,
                    states.data() + item * g.heads * stride, scores);
