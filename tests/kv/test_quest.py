@@ -110,6 +110,9 @@ def test_a_small_budget_attends_to_fewer_keys_and_composes(model_factory, backen
         assert backend.active_tokens / backend.queries <= 8
         assert all(len(t) == GREEDY.max_tokens for t in tokens)
         # (run_staggered checked integrity after every step and the whole pool free.)
+        # Each step's counts reach the engine's stats (what /metrics publishes).
+        assert engine.stats.sparse_attention_queries == backend.queries > 0
+        assert engine.stats.sparse_attention_keys == backend.active_tokens
 
 
 def test_quest_refuses_what_it_cannot_do():

@@ -70,6 +70,14 @@ class QuestAttention(PagedAttention):
         self.key_max = [torch.full(shape, float("-inf"), device=device) for _ in kv_caches]
         self.active_tokens = 0
         self.queries = 0
+        self._taken = (0, 0)
+
+    def take_counts(self) -> tuple[int, int]:
+        """(keys attended, queries) since the last call (the worker reports them per
+        step); `active_tokens` and `queries` keep the totals."""
+        taken = (self.active_tokens - self._taken[0], self.queries - self._taken[1])
+        self._taken = (self.active_tokens, self.queries)
+        return taken
 
     def _update_bounds(self, layer_index: int, k: torch.Tensor,
                        slot_mapping: torch.Tensor) -> None:

@@ -18,6 +18,10 @@ class EngineStats:
     spec_verifications: int = 0
     spec_drafted_by_position: list[int] = field(default_factory=list)
     spec_accepted_by_position: list[int] = field(default_factory=list)
+    # Sparse attention backends: keys attended and (decode query, KV head) pairs, over
+    # their sparse layers (keys per query = the first over the second).
+    sparse_attention_keys: int = 0
+    sparse_attention_queries: int = 0
 
     @property
     def spec_acceptance_rate(self) -> float | None:

@@ -169,6 +169,8 @@ class LLMEngine:
             tracer.worker_step(output.phase_seconds)
         if output.expert_load:
             self.expert_load.record(output.expert_load, time.monotonic())
+        self.stats.sparse_attention_keys += output.sparse_attention[0]
+        self.stats.sparse_attention_queries += output.sparse_attention[1]
         if output.rank_load:
             self.rank_load.record(output.rank_load, time.monotonic())
             self.expert_moves += output.expert_moves

@@ -213,6 +213,9 @@ class Worker:
             clock.mark("sample")
         output.phase_seconds = clock.seconds
         output.expert_load = self._take_expert_load()
+        take_counts = getattr(self.runner.backend, "take_counts", None)
+        if take_counts is not None:
+            output.sparse_attention = take_counts()
         if self.replicas is not None:
             output.rank_load = self.replicas.take_rank_load()
             output.expert_moves = moves
