@@ -16,6 +16,7 @@ import torch
 
 from tokenmill.attention.base import AttentionBackend, AttentionContext, AttentionSpec, BatchLayout
 from tokenmill.attention.registry import create_attention_backend
+from tokenmill.layers.norm import prepare_native_norm
 from tokenmill.core.step import ScheduledRequest
 from tokenmill.kv import KVCache
 from tokenmill.kv.quant import storage_dtype
@@ -59,6 +60,7 @@ class ModelRunner:
                              block_size, sparse_budget, sparse_dense_layers)
         self.backend: AttentionBackend = create_attention_backend(attention_backend, spec)
         self.backend.allocate_state(self.kv_caches)
+        prepare_native_norm(device, dtype)
 
     def prepare(self, requests: list[ScheduledRequest]) -> PreparedBatch:
         """The flattened batch: token ids, positions and the attention context."""
