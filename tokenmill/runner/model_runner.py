@@ -16,10 +16,10 @@ import torch
 
 from tokenmill.attention.base import AttentionBackend, AttentionContext, AttentionSpec, BatchLayout
 from tokenmill.attention.registry import create_attention_backend
-from tokenmill.layers.norm import prepare_native_norm
 from tokenmill.core.step import ScheduledRequest
 from tokenmill.kv import KVCache
 from tokenmill.kv.quant import storage_dtype
+from tokenmill.layers.norm import prepare_native_norm
 from tokenmill.model.arch import ArchConfig
 from tokenmill.runner.early_exit import EarlyExit, forward_with_exits
 
