@@ -47,3 +47,18 @@ def build_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ())
         logger.warning("native kernel %s could not be compiled (%s); the PyTorch path "
                        "serves instead", name, exc)
         return None
+
+
+ROW_OPS_SOURCE = Path(__file__).resolve().parent / "csrc" / "row_ops.cpp"
+
+
+def native_row_ops():
+    """The compiled per-row operators (csrc/row_ops.cpp: rms_norm, rotate_), or None
+    where they cannot be built. -ffp-contract=off: products and sums round as torch's."""
+    return build_extension("row_ops", ROW_OPS_SOURCE, ("-ffp-contract=off",))
+
+
+def prepare_native_row_ops(device: torch.device, dtype: torch.dtype) -> None:
+    """Build (or load) the operators at start-up rather than in the first request."""
+    if device.type == "cpu" and dtype == torch.float32:
+        native_row_ops()

@@ -25,7 +25,7 @@ from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
-from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary
+from tokenmill.layers.rotary import RotaryEmbedding, rotate
 from tokenmill.model.arch import ArchConfig
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -70,13 +70,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.view(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.view(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+            q, k = rotate(q, rope), rotate(k, rope)
         else:
             # Q and K sit side by side in each row: one rotation for both heads' kinds
             # (half the small ops a decode step spends on rope; the same arithmetic).
             qk = qkv[:, :self.q_size + self.kv_size].view(
                 num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
+            q, k = rotate(qk, rope).split((self.num_heads, self.num_kv_heads), dim=1)
         out = attention(self.layer_index, q, k, v.contiguous(), self.scale)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 

@@ -19,7 +19,7 @@ from tokenmill.attention.registry import create_attention_backend
 from tokenmill.core.step import ScheduledRequest
 from tokenmill.kv import KVCache
 from tokenmill.kv.quant import storage_dtype
-from tokenmill.layers.norm import prepare_native_norm
+from tokenmill.layers.native import prepare_native_row_ops
 from tokenmill.model.arch import ArchConfig
 from tokenmill.runner.early_exit import EarlyExit, forward_with_exits
 
@@ -60,7 +60,7 @@ class ModelRunner:
                              block_size, sparse_budget, sparse_dense_layers)
         self.backend: AttentionBackend = create_attention_backend(attention_backend, spec)
         self.backend.allocate_state(self.kv_caches)
-        prepare_native_norm(device, dtype)
+        prepare_native_row_ops(device, dtype)
 
     def prepare(self, requests: list[ScheduledRequest]) -> PreparedBatch:
         """The flattened batch: token ids, positions and the attention context."""

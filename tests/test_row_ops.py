@@ -1,0 +1,54 @@
+"""The compiled per-row operators (layers/csrc/row_ops.cpp) against the torch forms they
+replace: rotary embedding bit for bit (on Q and K side by side in a fused QKV row, as
+the model calls it), RMSNorm to an ulp or two; autograd keeps the torch forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.layers.native import native_row_ops
+from tokenmill.layers.norm import RMSNorm
+from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rotate
+
+pytestmark = pytest.mark.skipif(native_row_ops() is None, reason="no C++ compiler")
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_rotation_in_place_is_bit_identical(tokens):
+    generator = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, head_dim = 6, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    qk = qkv[:, :(heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    rotary = RotaryEmbedding(head_dim, 4096, {"rope_theta": 10000.0})
+    rotary.build_cache()
+    rope = rotary(torch.randint(0, 4096, (tokens,), generator=generator), torch.float32)
+    expected = apply_rotary(qk.clone(), rope)
+    values = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    with torch.inference_mode():
+        out = rotate(qk, rope)
+    assert out.data_ptr() == qk.data_ptr()  # in place, in the QKV buffer
+    assert torch.equal(out, expected)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], values)  # V untouched
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_rms_norm_matches_the_torch_form(rows):
+    norm = RMSNorm(896, 1e-6)
+    norm.weight.data.normal_()
+    x = torch.randn(rows, 896) * 3
+    reference = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    with torch.inference_mode():
+        out = norm(x)
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_autograd_keeps_the_torch_forms():
+    norm = RMSNorm(64, 1e-5)
+    x = torch.randn(3, 64, requires_grad=True)
+    norm(x).sum().backward()
+    assert x.grad is not None and norm.weight.grad is not None
+    q = torch.randn(3, 2, 64, requires_grad=True)
+    rope = (torch.randn(3, 1, 32), torch.randn(3, 1, 32))
+    rotate(q, rope).sum().backward()
+    assert q.grad is not None
