@@ -17,6 +17,7 @@ rounding, not bit for bit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import torch
@@ -29,6 +30,7 @@ from tokenmill.layers.native import build_extension
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
 
 
+@functools.cache  # (no arguments: a lookup per layer costs nothing)
 def native_decode():
     """The compiled kernel module, or None where it cannot be built."""
     return build_extension("paged_decode", SOURCE, ("-ffast-math",))

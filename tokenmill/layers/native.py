@@ -52,6 +52,7 @@ def build_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ())
 ROW_OPS_SOURCE = Path(__file__).resolve().parent / "csrc" / "row_ops.cpp"
 
 
+@functools.cache  # (no arguments: a lookup per call costs nothing)
 def native_row_ops():
     """The compiled per-row operators (csrc/row_ops.cpp: rms_norm, rotate_), or None
     where they cannot be built. -ffp-contract=off: products and sums round as torch's."""

@@ -25,6 +25,7 @@ serve.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from pathlib import Path
@@ -47,12 +48,14 @@ KERNELS = ("native", "dequantize")  # the float32-activation kernels a table mea
 ROW_CLASSES = (1, 8, 32, 256)
 
 
+@functools.cache  # (no arguments: a lookup per product costs nothing)
 def native_library():
     """The compiled kernels (built once per CPU and torch version), or None where they
     cannot be built: the dequantize kernel serves then."""
     return build_extension("qlinear", SOURCE)
 
 
+@functools.cache
 def a8_library():
     """The int8-activation kernels, or None where they cannot be built or this CPU
     lacks AVX-512 VNNI and VBMI."""
@@ -141,6 +144,9 @@ class KernelTable:
             raise ValueError(f"a kernel table maps {ROW_CLASSES} to "
                              f"{tuple(_KERNEL_FUNCTIONS)}, got {choices}")
         self.choices = dict(sorted(choices.items()))
+        kernels = set(self.choices.values())
+        # One kernel for every class: no per-call lookup.
+        self._only = _KERNEL_FUNCTIONS[kernels.pop()] if len(kernels) == 1 else None
 
     @classmethod
     def uniform(cls, kernel: str) -> KernelTable:
@@ -154,8 +160,11 @@ class KernelTable:
 
     def linear(self, x: torch.Tensor, weight: PackedWeight,
                bias: torch.Tensor | None) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        out = _KERNEL_FUNCTIONS[self.kernel_for(rows)](x, weight, bias)
+        if self._only is not None:
+            out = self._only(x, weight, bias)
+        else:
+            rows = x.numel() // x.shape[-1]
+            out = _KERNEL_FUNCTIONS[self.kernel_for(rows)](x, weight, bias)
         return out.reshape(*x.shape[:-1], weight.out_features)
 
 
