@@ -47,7 +47,8 @@ class PagedMetadata:
     # of a [D * Q] query grid.
     decode_query_len: int = 1
     decode_query_index: torch.Tensor | None = None
-    # Keys each one-token decode row attends to (paged-native's kernel reads them).
+    # Keys each one-token decode row attends to (its context and its own token; None
+    # with speculative rows): the in-place kernel and the sparse backends read them.
     decode_lengths: torch.Tensor | None = None
 
 
@@ -58,9 +59,9 @@ class PagedAttention(AttentionBackend):
         decode_rows = range(layout.num_decode_requests)
         device = layout.device
         query_lens = layout.query_lens
-        tables = query_len = index = mask = None
+        tables = query_len = index = mask = lengths = None
         if layout.num_decode_requests:
-            tables, mask, query_len, index = self._decode_metadata(layout, decode_rows)
+            tables, mask, query_len, index, lengths = self._decode_metadata(layout, decode_rows)
         prefills = []
         for row in range(layout.num_decode_requests, layout.num_requests):
             start, seq_len = layout.query_start[row], layout.context_lens[row] + query_lens[row]
@@ -69,10 +70,11 @@ class PagedAttention(AttentionBackend):
                 start, start + query_lens[row], layout.context_lens[row],
                 torch.tensor(used, dtype=torch.int64, device=device)))
         return PagedMetadata(layout.slot_mapping, layout.num_decode_tokens, tables, mask,
-                             prefills, query_len or 1, index)
+                             prefills, query_len or 1, index, lengths)
 
     def _decode_metadata(self, layout: BatchLayout, rows: range
-                         ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
+                         ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None,
+                                    torch.Tensor | None]:
         device = layout.device
         tables = [layout.block_tables[r] for r in rows]
         width = max(len(t) for t in tables)
@@ -82,9 +84,10 @@ class PagedAttention(AttentionBackend):
                                 device=device)
         key_pos = torch.arange(width * layout.block_size, device=device)
         query_len = max(lengths_list)
-        index = None
+        index = keys = None
         if query_len == 1:
             mask = (key_pos[None, :] <= contexts[:, None])[:, None, None, :]
+            keys = contexts + 1
         else:
             # Query r of a row sees its context and the row's tokens up to r. Padding
             # queries (rows shorter than query_len) copy the row's last query, so no
@@ -98,7 +101,7 @@ class PagedAttention(AttentionBackend):
                                for row, n in enumerate(lengths_list)])
         group = self.spec.num_heads // self.spec.num_kv_heads
         block_tables = torch.tensor(padded, dtype=torch.int64, device=device)
-        return block_tables, group_mask(mask, group), query_len, index
+        return block_tables, group_mask(mask, group), query_len, index, keys
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                  metadata: PagedMetadata) -> None:

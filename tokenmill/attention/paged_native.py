@@ -16,13 +16,11 @@ rounding, not bit for bit.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from pathlib import Path
 
 import torch
 
-from tokenmill.attention.base import BatchLayout
 from tokenmill.attention.paged import PagedAttention, PagedMetadata
 from tokenmill.kv import KVCache
 from tokenmill.layers.native import build_extension
@@ -46,15 +44,6 @@ class PagedNativeAttention(PagedAttention):
         if (cache is not None and cache.data.device.type == "cpu" and not cache.quantized
                 and cache.data.dtype == torch.float32):
             native_decode()
-
-    def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
-        metadata = super().build_metadata(layout)
-        if not layout.num_decode_requests or metadata.decode_query_len != 1:
-            return metadata
-        rows = range(layout.num_decode_requests)
-        lengths = torch.tensor([layout.context_lens[r] + 1 for r in rows], dtype=torch.int64,
-                               device=layout.device)
-        return dataclasses.replace(metadata, decode_lengths=lengths)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
                 scale: float, layer_index: int) -> torch.Tensor:

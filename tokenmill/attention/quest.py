@@ -117,8 +117,7 @@ class QuestAttention(PagedAttention):
         rows, width = tables.shape
         heads, head_dim = q.shape[1], q.shape[2]
         group = heads // kv_heads
-        # Keys each row attends to: its context and its own token (the mask says so).
-        lengths = metadata.decode_mask.reshape(rows, -1).sum(-1)
+        lengths = metadata.decode_lengths  # its context and its own token
         num_blocks = (lengths + block_size - 1) // block_size
         grouped = q.view(rows, kv_heads, group, head_dim).float()
         scores = self.block_scores(layer_index, grouped, tables, lengths, kv_cache)
