@@ -1,9 +1,10 @@
-"""`tokenmill` command line: generate, serve, bench, plan, profile, simulate, tune, train, quantize.
+"""`tokenmill` command line: generate, serve, bench, plan, profile, simulate, tune, train,
+quantize, calibrate.
 
 This module only dispatches: each command's flags and body live in its own module
 (tokenmill/generate.py, server/command.py, bench/commands.py, plan/command.py,
-profile/command.py, train/cli.py, quantize.py); the shared engine and sampling flags are in
-tokenmill/arguments.py. Command modules are imported when their command runs.
+profile/command.py, train/cli.py, quantize.py, calibrate.py); the shared engine and
+sampling flags are in tokenmill/arguments.py. Command modules are imported when their command runs.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ COMMANDS = {
     "simulate": ("tokenmill.plan.moe_sim", "add_simulate_subcommand"),
     "tune": ("tokenmill.bench.tune", "add_tune_subcommand"),
     "quantize": ("tokenmill.quantize", "add_quantize_subcommand"),
+    "calibrate": ("tokenmill.calibrate", "add_calibrate_subcommand"),
 }
 
 

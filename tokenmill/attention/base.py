@@ -25,6 +25,20 @@ from tokenmill.kv import KVCache
 
 
 @dataclass(frozen=True)
+class SparseSettings:
+    """What the sparse backends read (AttentionConfig's sparse_* knobs, documented there)."""
+
+    budget: int = 1024
+    dense_layers: int = 2
+    top_p: float = 0.9
+    min_tokens: int = 64
+    sink_tokens: int = 32
+    window: int = 256
+    retrieval_fraction: float = 0.15
+    calibration: str | None = None  # path of a sparse_calibration.json
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """The geometry a backend is built for."""
 
@@ -33,10 +47,7 @@ class AttentionSpec:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    # Sparse backends (quest): tokens of context a decode query attends to, and how
-    # many leading layers stay dense.
-    sparse_budget: int = 1024
-    sparse_dense_layers: int = 2
+    sparse: SparseSettings = SparseSettings()
 
 
 @dataclass

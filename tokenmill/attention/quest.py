@@ -18,18 +18,16 @@ With a quantized cache the bounds are of the keys before quantization (a stored 
 can exceed them by its rounding): selection is a heuristic there, attention over the
 kept blocks still exact.
 
-Counters: `active_tokens` / `queries` (keys attended per decode query and KV head,
-summed over sparse layers), which the engine's metrics and the benchmarks report.
+The gathering, exact attention over the kept blocks and the counters are
+`block_sparse.BlockSparseAttention`'s.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from tokenmill.attention.paged import PagedAttention, PagedMetadata
+from tokenmill.attention.block_sparse import BlockSparseAttention
 from tokenmill.kv import KVCache
-from tokenmill.kv.quant import dequantize
 
 
 def block_upper_bounds(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor
@@ -60,27 +58,18 @@ def select_blocks(bounds: torch.Tensor, num_blocks: torch.Tensor, keep: int) -> 
     return chosen.sort(dim=1).values.transpose(1, 2)  # [D, KVH, k]
 
 
-class QuestAttention(PagedAttention):
+class QuestAttention(BlockSparseAttention):
     name = "quest"
 
     def allocate_state(self, kv_caches: list[KVCache]) -> None:
+        super().allocate_state(kv_caches)
         shape = (kv_caches[0].data.shape[1], self.spec.num_kv_heads, self.spec.head_dim)
         device = kv_caches[0].data.device
         self.key_min = [torch.full(shape, float("inf"), device=device) for _ in kv_caches]
         self.key_max = [torch.full(shape, float("-inf"), device=device) for _ in kv_caches]
-        self.active_tokens = 0
-        self.queries = 0
-        self._taken = (0, 0)
 
-    def take_counts(self) -> tuple[int, int]:
-        """(keys attended, queries) since the last call (the worker reports them per
-        step); `active_tokens` and `queries` keep the totals."""
-        taken = (self.active_tokens - self._taken[0], self.queries - self._taken[1])
-        self._taken = (self.active_tokens, self.queries)
-        return taken
-
-    def _update_bounds(self, layer_index: int, k: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+    def observe_keys(self, layer_index: int, k: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
         blocks = slot_mapping // self.spec.block_size
         fresh = blocks[slot_mapping % self.spec.block_size == 0]
         key_min, key_max = self.key_min[layer_index], self.key_max[layer_index]
@@ -91,16 +80,6 @@ class QuestAttention(PagedAttention):
         key_min.scatter_reduce_(0, index, k, "amin")
         key_max.scatter_reduce_(0, index, k, "amax")
 
-    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
-                 metadata: PagedMetadata) -> None:
-        raise NotImplementedError("quest keeps key bounds per layer: early exit, which "
-                                  "writes K/V without a layer index, is not supported")
-
-    def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
-        self._update_bounds(layer_index, k, metadata.slot_mapping)
-        return super().forward(layer_index, q, k, v, kv_cache, metadata, scale)
-
     def block_scores(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
                      lengths: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
         """[D, W, KVH]: how much each block of each row promises to the query q
@@ -108,46 +87,16 @@ class QuestAttention(PagedAttention):
         return block_upper_bounds(q, self.key_min[layer_index][tables],
                                   self.key_max[layer_index][tables])
 
-    def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
-                scale: float, layer_index: int) -> torch.Tensor:
-        if layer_index < self.spec.sparse_dense_layers or metadata.decode_query_len != 1:
-            return super()._decode(q, kv_cache, metadata, scale, layer_index)
-        block_size, kv_heads = self.spec.block_size, self.spec.num_kv_heads
-        tables = metadata.decode_block_tables  # [D, W]
-        rows, width = tables.shape
-        heads, head_dim = q.shape[1], q.shape[2]
-        group = heads // kv_heads
-        lengths = metadata.decode_lengths  # its context and its own token
+    def select_blocks(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
+                      lengths: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        block_size = self.spec.block_size
         num_blocks = (lengths + block_size - 1) // block_size
-        grouped = q.view(rows, kv_heads, group, head_dim).float()
-        scores = self.block_scores(layer_index, grouped, tables, lengths, kv_cache)
-        keep = max(1, self.spec.sparse_budget // block_size)
-        chosen = select_blocks(scores, num_blocks, keep)  # [D, KVH, k]
-        physical = tables.gather(1, chosen.reshape(rows, -1)).view_as(chosen)
-        head = torch.arange(kv_heads, device=q.device)[None, :, None]
-        keys = kv_cache.data[0][physical, :, head]  # [D, KVH, k, block, Dh]
-        values = kv_cache.data[1][physical, :, head]
-        if kv_cache.quantized:
-            dtype = kv_cache.compute_dtype
-            keys = dequantize(keys, kv_cache.scales[0][physical, :, head], dtype)
-            values = dequantize(values, kv_cache.scales[1][physical, :, head], dtype)
-        k_count = chosen.shape[-1]
-        keys = keys.reshape(rows, kv_heads, k_count * block_size, head_dim)
-        values = values.reshape(rows, kv_heads, k_count * block_size, head_dim)
-        positions = (chosen[..., None] * block_size
-                     + torch.arange(block_size, device=q.device)).reshape(rows, kv_heads, -1)
-        # A repeated block (a row shorter than k blocks) counts once.
-        first = torch.ones_like(chosen, dtype=torch.bool)
-        first[..., 1:] = chosen[..., 1:] != chosen[..., :-1]
-        usable = first.repeat_interleave(block_size, dim=-1)
-        mask = (positions < lengths[:, None, None]) & usable  # [D, KVH, k * block]
-        self.active_tokens += int(mask.sum())
-        self.queries += rows * kv_heads
-        out = F.scaled_dot_product_attention(
-            q.view(rows, kv_heads, group, head_dim), keys.to(q.dtype), values.to(q.dtype),
-            attn_mask=mask[:, :, None, :], scale=scale)  # [D, KVH, G, Dh]
-        return out.reshape(rows, heads, head_dim)
-
+        scores = self.block_scores(layer_index, q, tables, lengths, kv_cache)
+        keep = max(1, self.spec.sparse.budget // block_size)
+        chosen = select_blocks(scores, num_blocks, keep)  # [D, KVH, k] (repeats allowed)
+        mask = torch.zeros(*chosen.shape[:2], tables.shape[1], dtype=torch.bool,
+                           device=q.device)
+        return mask.scatter_(2, chosen, True)
 
 
 class StaticTopKAttention(QuestAttention):

@@ -7,12 +7,14 @@ from tokenmill.attention.base import AttentionBackend, AttentionSpec
 from tokenmill.attention.paged import PagedAttention
 from tokenmill.attention.paged_native import PagedNativeAttention
 from tokenmill.attention.quest import QuestAttention, StaticTopKAttention
+from tokenmill.attention.retrieval import RetrievalTopPAttention
 
 ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
     PagedAttention.name: PagedAttention,
     PagedNativeAttention.name: PagedNativeAttention,
     QuestAttention.name: QuestAttention,
     StaticTopKAttention.name: StaticTopKAttention,
+    RetrievalTopPAttention.name: RetrievalTopPAttention,
 }
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tokenmill.config.attention import SPARSE_BACKENDS, AttentionConfig
 from tokenmill.config.parallel import ParallelConfig
 from tokenmill.config.validate import require as _require
 
@@ -280,31 +281,6 @@ class SpecConfig:
 
 
 @dataclass(frozen=True)
-class AttentionConfig:
-    """Which attention backend runs the model's attention layers."""
-
-    # A name registered in tokenmill/attention/registry.py (checked when the worker
-    # builds it: backends can be registered at run time).
-    attention_backend: str = field(
-        default="paged-native",
-        metadata={"registry": "tokenmill.attention.registry:ATTENTION_BACKENDS"})
-    # Sparse backends (quest, static-topk): tokens of context each decode query attends to, in whole
-    # blocks (the first block and the query's own always among them); a request whose
-    # context fits attends densely.
-    sparse_budget: int = 1024
-    # Sparse backends: leading layers kept dense (Quest keeps layers 0 and 1 dense).
-    sparse_dense_layers: int = 2
-
-    def __post_init__(self) -> None:
-        _require(isinstance(self.attention_backend, str) and bool(self.attention_backend),
-                 "attention_backend", "a registered backend name", self.attention_backend)
-        _require(isinstance(self.sparse_budget, int) and self.sparse_budget >= 1,
-                 "sparse_budget", "a positive number of tokens", self.sparse_budget)
-        _require(isinstance(self.sparse_dense_layers, int) and self.sparse_dense_layers >= 0,
-                 "sparse_dense_layers", "a number of layers >= 0", self.sparse_dense_layers)
-
-
-@dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -319,9 +295,14 @@ class EngineConfig:
             _require(self.parallel.world_size == 1 and self.spec.speculative_method is None,
                      "early_exit_layer", "None with parallelism or speculative decoding",
                      self.model.early_exit_layer)
-            _require(self.attention.attention_backend not in ("quest", "static-topk"),
-                     "attention_backend", "not a sparse backend (quest, static-topk) with "
-                     "early_exit_layer (their key bounds are per layer)",
+            _require(self.attention.attention_backend not in SPARSE_BACKENDS,
+                     "attention_backend", f"not a sparse backend {SPARSE_BACKENDS} with "
+                     "early_exit_layer (their key bounds and indexes are per layer)",
+                     self.attention.attention_backend)
+        if self.parallel.tensor_parallel_size > 1:
+            # Its calibration names global KV heads; a rank holds a slice of them.
+            _require(self.attention.attention_backend != "retrieval-topp",
+                     "attention_backend", "not 'retrieval-topp' with tensor_parallel_size > 1",
                      self.attention.attention_backend)
         if self.parallel.pipeline_parallel_size > 1:
             # A stage has neither the target's embedding nor its last hidden states at

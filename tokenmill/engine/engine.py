@@ -169,8 +169,12 @@ class LLMEngine:
             tracer.worker_step(output.phase_seconds)
         if output.expert_load:
             self.expert_load.record(output.expert_load, time.monotonic())
-        self.stats.sparse_attention_keys += output.sparse_attention[0]
-        self.stats.sparse_attention_queries += output.sparse_attention[1]
+        for kind, (keys, queries) in output.sparse_attention.items():
+            self.stats.sparse_attention_keys += keys
+            self.stats.sparse_attention_queries += queries
+            entry = self.stats.sparse_attention_by_kind.setdefault(kind, [0, 0])
+            entry[0] += keys
+            entry[1] += queries
         if output.rank_load:
             self.rank_load.record(output.rank_load, time.monotonic())
             self.expert_moves += output.expert_moves

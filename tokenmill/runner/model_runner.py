@@ -14,7 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.base import AttentionBackend, AttentionContext, AttentionSpec, BatchLayout
+from tokenmill.attention.base import (
+    AttentionBackend,
+    AttentionContext,
+    AttentionSpec,
+    BatchLayout,
+    SparseSettings,
+)
 from tokenmill.attention.registry import create_attention_backend
 from tokenmill.core.step import ScheduledRequest
 from tokenmill.kv import KVCache
@@ -42,8 +48,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, arch: ArchConfig, num_blocks: int,
                  block_size: int, device: torch.device, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto", attention_backend: str = "paged-native",
-                 early_exit: EarlyExit | None = None, sparse_budget: int = 1024,
-                 sparse_dense_layers: int = 2) -> None:
+                 early_exit: EarlyExit | None = None,
+                 sparse: SparseSettings | None = None) -> None:
         self.model = model
         if early_exit is not None and not 1 <= early_exit.layer < arch.num_layers:
             raise ValueError(f"early_exit_layer must be in [1, {arch.num_layers - 1}] for "
@@ -57,7 +63,7 @@ class ModelRunner:
                                            arch.head_dim, storage, dtype, device)
                           for _ in range(arch.num_layers)]
         spec = AttentionSpec(arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.head_dim,
-                             block_size, sparse_budget, sparse_dense_layers)
+                             block_size, sparse or SparseSettings())
         self.backend: AttentionBackend = create_attention_backend(attention_backend, spec)
         self.backend.allocate_state(self.kv_caches)
         prepare_native_row_ops(device, dtype)

@@ -14,9 +14,11 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from tokenmill.attention.base import SparseSettings
 from tokenmill.config import EngineConfig
 from tokenmill.core.step import ProposalRequest, StepInput, StepOutput
 from tokenmill.dist.context import (
@@ -112,8 +114,7 @@ class Worker:
                                   config.cache.block_size, loaded.device, loaded.dtype,
                                   config.cache.kv_cache_dtype,
                                   config.attention.attention_backend,
-                                  early_exit(config), config.attention.sparse_budget,
-                                  config.attention.sparse_dense_layers)
+                                  early_exit(config), sparse_settings(config))
         self.sampler = StepSampler(loaded.model, seed=mcfg.seed)
         if context is not None:
             context.target, context.num_blocks = loaded, self.kv_plan.num_blocks
@@ -301,6 +302,20 @@ class Worker:
     def needs_hidden_states(self) -> bool:
         return self.proposer is not None and self.proposer.needs_hidden_states
 
+
+
+def sparse_settings(config: EngineConfig) -> SparseSettings:
+    """The sparse backends' knobs; the calibration defaults to the model's own file."""
+    attention = config.attention
+    calibration = attention.sparse_calibration
+    if calibration is None:
+        model = Path(config.model.model)
+        calibration = str((model if model.is_dir() else model.parent)
+                          / "sparse_calibration.json")
+    return SparseSettings(attention.sparse_budget, attention.sparse_dense_layers,
+                          attention.sparse_top_p, attention.sparse_min_tokens,
+                          attention.sparse_sink_tokens, attention.sparse_window,
+                          attention.sparse_retrieval_fraction, calibration)
 
 
 def early_exit(config: EngineConfig) -> EarlyExit | None:

@@ -1,0 +1,137 @@
+"""What every block-sparse decode backend shares (quest, static-topk, retrieval-topp).
+
+A sparse backend decides, per decode row and KV head, which of the row's KV blocks to
+keep (`select_blocks`: a boolean mask over the row's logical blocks) and, optionally,
+which tokens of the kept blocks (`token_filter`); attention then runs exactly over
+those keys, read from the paged cache (dequantised if the cache is quantized), in
+context order. The first `sparse.dense_layers` layers, prefill chunks and speculative
+rows take the dense paged path.
+
+Per-layer state beside the cache (key bounds, an index) is updated from the fresh
+keys of each step (`observe_keys`), which needs the layer index: early exit, which
+writes K/V without one, is refused.
+
+Counters: `active_tokens` / `queries` (keys attended per decode query and KV head,
+summed over sparse layers), and the same per head kind (`kind_counts`), which the
+engine's metrics and the benchmarks report.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.paged import PagedAttention, PagedMetadata
+from tokenmill.kv import KVCache
+from tokenmill.kv.quant import dequantize
+
+
+def mask_to_blocks(block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block mask [D, KVH, W] as (chosen [D, KVH, k], used [D, KVH, k]): each (row,
+    head)'s kept logical blocks in context order, k the most any keeps; entries past a
+    head's count repeat a valid index and are marked unused."""
+    counts = block_mask.sum(-1)  # [D, KVH]
+    width = max(1, int(counts.max()))
+    # A stable sort of "not kept" puts the kept blocks first, in context order.
+    order = torch.sort((~block_mask).to(torch.int8), dim=-1, stable=True).indices
+    chosen = order[..., :width]
+    used = torch.arange(width, device=block_mask.device) < counts[..., None]
+    return torch.where(used, chosen, chosen[..., :1]), used
+
+
+class BlockSparseAttention(PagedAttention):
+    name = "block-sparse"  # abstract: subclasses register under their own names
+
+    def allocate_state(self, kv_caches: list[KVCache]) -> None:
+        self.active_tokens = 0
+        self.queries = 0
+        self.kind_counts: dict[str, list[int]] = {}
+        self._taken: dict[str, tuple[int, int]] = {}
+
+    def take_counts(self) -> dict[str, tuple[int, int]]:
+        """Per head kind, (keys attended, queries) since the last call (the worker
+        reports them per step); `kind_counts` keeps the totals."""
+        taken = {}
+        for kind, (keys, queries) in self.kind_counts.items():
+            before = self._taken.get(kind, (0, 0))
+            if queries > before[1]:
+                taken[kind] = (keys - before[0], queries - before[1])
+            self._taken[kind] = (keys, queries)
+        return taken
+
+    def head_kinds(self, layer_index: int) -> list[str]:
+        """The kind of each KV head of a sparse layer, for the counters."""
+        return ["selected"] * self.spec.num_kv_heads
+
+    def observe_keys(self, layer_index: int, k: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> None:
+        """Update per-layer state from the step's fresh keys [T, KVH, Dh]."""
+
+    def select_blocks(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
+                      lengths: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """[D, KVH, W] bool: the logical blocks each (row, KV head) attends to, for the
+        rows' queries q [D, KVH, G, Dh] (a row's blocks past its length unset)."""
+        raise NotImplementedError
+
+    def token_filter(self, layer_index: int, positions: torch.Tensor,
+                     lengths: torch.Tensor) -> torch.Tensor | None:
+        """Optionally, which positions [D, KVH, n] of the kept blocks stay (None: all)."""
+        return None
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
+                 metadata: PagedMetadata) -> None:
+        raise NotImplementedError(f"{self.name} keeps per-layer state: early exit, which "
+                                  "writes K/V without a layer index, is not supported")
+
+    def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
+        self.observe_keys(layer_index, k, metadata.slot_mapping)
+        return super().forward(layer_index, q, k, v, kv_cache, metadata, scale)
+
+    def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
+                scale: float, layer_index: int) -> torch.Tensor:
+        if layer_index < self.spec.sparse.dense_layers or metadata.decode_query_len != 1:
+            return super()._decode(q, kv_cache, metadata, scale, layer_index)
+        block_size, kv_heads = self.spec.block_size, self.spec.num_kv_heads
+        tables = metadata.decode_block_tables  # [D, W]
+        rows = tables.shape[0]
+        heads, head_dim = q.shape[1], q.shape[2]
+        group = heads // kv_heads
+        lengths = metadata.decode_lengths  # its context and its own token
+        grouped = q.view(rows, kv_heads, group, head_dim)
+        block_mask = self.select_blocks(layer_index, grouped.float(), tables, lengths,
+                                        kv_cache)
+        chosen, used = mask_to_blocks(block_mask)  # [D, KVH, k]
+        physical = tables.gather(1, chosen.reshape(rows, -1)).view_as(chosen)
+        head = torch.arange(kv_heads, device=q.device)[None, :, None]
+        keys = kv_cache.data[0][physical, :, head]  # [D, KVH, k, block, Dh]
+        values = kv_cache.data[1][physical, :, head]
+        if kv_cache.quantized:
+            dtype = kv_cache.compute_dtype
+            keys = dequantize(keys, kv_cache.scales[0][physical, :, head], dtype)
+            values = dequantize(values, kv_cache.scales[1][physical, :, head], dtype)
+        count = chosen.shape[-1]
+        keys = keys.reshape(rows, kv_heads, count * block_size, head_dim)
+        values = values.reshape(rows, kv_heads, count * block_size, head_dim)
+        positions = (chosen[..., None] * block_size
+                     + torch.arange(block_size, device=q.device)).reshape(rows, kv_heads, -1)
+        mask = ((positions < lengths[:, None, None])
+                & used.repeat_interleave(block_size, dim=-1))  # [D, KVH, k * block]
+        extra = self.token_filter(layer_index, positions, lengths)
+        if extra is not None:
+            mask &= extra
+        self._count(layer_index, mask)
+        out = F.scaled_dot_product_attention(
+            grouped, keys.to(q.dtype), values.to(q.dtype),
+            attn_mask=mask[:, :, None, :], scale=scale)  # [D, KVH, G, Dh]
+        return out.reshape(rows, heads, head_dim)
+
+    def _count(self, layer_index: int, mask: torch.Tensor) -> None:
+        per_head = mask.sum(dim=(0, 2)).tolist()  # keys per KV head, over the rows
+        rows = mask.shape[0]
+        for kind, keys in zip(self.head_kinds(layer_index), per_head, strict=True):
+            entry = self.kind_counts.setdefault(kind, [0, 0])
+            entry[0] += int(keys)
+            entry[1] += rows
+        self.active_tokens += int(sum(per_head))
+        self.queries += rows * len(per_head)

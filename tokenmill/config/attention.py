@@ -1,0 +1,59 @@
+"""AttentionConfig: which attention backend runs the model's attention layers and the
+sparse backends' knobs (one part of EngineConfig, tokenmill/config/__init__.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.config.validate import require as _require
+
+SPARSE_BACKENDS = ("quest", "static-topk", "retrieval-topp")
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Which attention backend runs the model's attention layers."""
+
+    # A name registered in tokenmill/attention/registry.py (checked when the worker
+    # builds it: backends can be registered at run time).
+    attention_backend: str = field(
+        default="paged-native",
+        metadata={"registry": "tokenmill.attention.registry:ATTENTION_BACKENDS"})
+    # Sparse backends (quest, static-topk): tokens of context each decode query attends
+    # to, in whole blocks (the first block and the query's own always among them); a
+    # request whose context fits attends densely. retrieval-topp: the most tokens a
+    # retrieval head keeps (its ceiling).
+    sparse_budget: int = 1024
+    # Sparse backends: leading layers kept dense (Quest keeps layers 0 and 1 dense).
+    sparse_dense_layers: int = 2
+    # retrieval-topp: blocks are kept in order of their index mass until it reaches p.
+    sparse_top_p: float = 0.9
+    # retrieval-topp: the fewest tokens a retrieval head keeps (its floor).
+    sparse_min_tokens: int = 64
+    # retrieval-topp: every head attends to the first sink tokens and the last window
+    # tokens (local heads to nothing else).
+    sparse_sink_tokens: int = 32
+    sparse_window: int = 256
+    # retrieval-topp: share of the sparse layers' KV heads that retrieve (the best by
+    # calibrated score, at least one).
+    sparse_retrieval_fraction: float = 0.15
+    # retrieval-topp: the calibration file (default: sparse_calibration.json in the
+    # model directory, written by `tokenmill calibrate sparse`).
+    sparse_calibration: str | None = None
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.attention_backend, str) and bool(self.attention_backend),
+                 "attention_backend", "a registered backend name", self.attention_backend)
+        _require(isinstance(self.sparse_budget, int) and self.sparse_budget >= 1,
+                 "sparse_budget", "a positive number of tokens", self.sparse_budget)
+        _require(isinstance(self.sparse_dense_layers, int) and self.sparse_dense_layers >= 0,
+                 "sparse_dense_layers", "a number of layers >= 0", self.sparse_dense_layers)
+        _require(isinstance(self.sparse_top_p, (int, float)) and 0 < self.sparse_top_p <= 1,
+                 "sparse_top_p", "in (0, 1]", self.sparse_top_p)
+        for name in ("sparse_min_tokens", "sparse_sink_tokens", "sparse_window"):
+            value = getattr(self, name)
+            _require(isinstance(value, int) and value >= (1 if name == "sparse_window" else 0),
+                     name, "a number of tokens (the window at least 1)", value)
+        _require(isinstance(self.sparse_retrieval_fraction, (int, float))
+                 and 0 < self.sparse_retrieval_fraction <= 1, "sparse_retrieval_fraction",
+                 "in (0, 1]", self.sparse_retrieval_fraction)
