@@ -6,6 +6,7 @@ python -m tokenmill.train card --model models/pycoder
 python -m tokenmill.train eagle --target models/pycoder --out models/pycoder/eagle
 python -m tokenmill.train tokenizer --kind reasoning --out models/pyreason
 python -m tokenmill.train sft --model models/pyreason --out /tmp/lp --length-penalty 0.05
+python -m tokenmill.train longctx --init-from models/pycoder --out models/pycoder-long
 """
 
 from __future__ import annotations
@@ -69,6 +70,18 @@ def _build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--max-minutes", type=float, default=None)
     sft.add_argument("--eval-per-level", type=int, default=50,
                      help="held-out items per level scored after fine-tuning (0: none)")
+
+    longctx = commands.add_parser(
+        "longctx", help="extend a code model to long context (larger RoPE base, long tasks)")
+    longctx.add_argument("--init-from", type=Path, required=True, help="trained model directory")
+    longctx.add_argument("--out", type=Path, required=True, help="model directory to write")
+    longctx.add_argument("--max-minutes", type=float, default=None,
+                         help="wall-clock cap; each phase stops at its share of it")
+    longctx.add_argument("--steps-scale", type=float, default=1.0,
+                         help="multiply every phase's step count (e.g. 0.01 for a smoke run)")
+    longctx.add_argument("--eval-per-kind", type=int, default=20,
+                         help="held-out task items per kind and length scored after training")
+    longctx.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
 
     eagle = commands.add_parser("eagle", help="train an EAGLE-1 draft head for a trained model")
     eagle.add_argument("--target", type=Path, required=True, help="trained model directory")
@@ -172,6 +185,32 @@ def _run_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def _run_longctx(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from tokenmill.llm import LLM
+    from tokenmill.train.corpus import read_sources, split_sources
+    from tokenmill.train.longctx import LongContextRecipe, task_accuracy, train_long_context
+
+    recipe = LongContextRecipe()
+    phases = tuple(replace(p, steps=max(1, round(p.steps * args.steps_scale)))
+                   for p in recipe.phases)
+    recipe = replace(recipe, phases=phases)
+    train, held_out = split_sources(read_sources(args.corpus_root))
+    held_out_texts = [source.text for source in held_out]
+    log = train_long_context(args.init_from, args.out, [source.text for source in train],
+                             held_out_texts, recipe,
+                             None if args.max_minutes is None else args.max_minutes * 60)
+    if args.eval_per_kind:
+        llm = LLM(str(args.out), progress=False)
+        lengths = tuple(n for n in (2048, 4096, 8192) if n <= recipe.max_position_embeddings)
+        log["task_accuracy"] = task_accuracy(llm, held_out_texts, lengths, args.eval_per_kind)
+        llm.engine.shutdown()
+        (args.out / "longctx_log.json").write_text(json.dumps(log, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in log.items() if k != "history"}, indent=1))
+    return 0
+
+
 def _run_eagle(args: argparse.Namespace) -> int:
     from tokenmill.train.corpus import read_sources, split_sources
     from tokenmill.train.eagle import PYCODER_RECIPE, train_eagle_head
@@ -203,5 +242,6 @@ def main(argv: list[str] | None = None) -> int:
         "card": _run_card,
         "sft": _run_sft,
         "eagle": _run_eagle,
+        "longctx": _run_longctx,
     }
     return runners[args.command](args)

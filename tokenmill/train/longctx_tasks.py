@@ -25,7 +25,9 @@ is built for. `score` compares a completion's first line with the answer.
 from __future__ import annotations
 
 import ast
+import functools
 import random
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -124,22 +126,26 @@ def make_item(kind: str, seed: int, texts: Sequence[str], length: int,
     return LongContextItem(kind, prompt, answer, (depths[0],))
 
 
-def _assignments(text: str) -> list[tuple[int, str, str]]:
+@functools.lru_cache(maxsize=8192)  # a text is parsed once however many items use it
+def _assignments(text: str) -> tuple[tuple[int, str, str], ...]:
     """(line index, name, literal source) of module-level `name = <literal>` lines."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
-        return []
+        return ()
+    lines = re.split(r"\r\n|\r|\n", text)  # ast's line numbering (not str.splitlines')
     found = []
     for node in tree.body:
         if (isinstance(node, ast.Assign) and len(node.targets) == 1
                 and isinstance(node.targets[0], ast.Name)
                 and isinstance(node.value, ast.Constant)
                 and isinstance(node.value.value, (int, str)) and node.lineno == node.end_lineno):
-            literal = ast.get_source_segment(text, node.value)
+            line = lines[node.lineno - 1].encode()  # offsets count UTF-8 bytes
+            literal = line[node.value.col_offset:node.value.end_col_offset].decode(
+                errors="replace")
             if literal and 2 <= len(literal) <= 40 and "\n" not in literal:
                 found.append((node.lineno - 1, node.targets[0].id, literal))
-    return found
+    return tuple(found)
 
 
 def _code_item(rng: random.Random, texts: Sequence[str], length: int,
@@ -155,6 +161,8 @@ def _code_item(rng: random.Random, texts: Sequence[str], length: int,
             if used > length - 16:
                 break
             kept.append(line)
+        if len(kept) < 50:
+            continue
         text = "\n".join(kept)
         # Parsed whole: the kept prefix usually ends inside a statement.
         early = [(i, n, lit) for i, n, lit in _assignments(texts[index])
@@ -162,7 +170,7 @@ def _code_item(rng: random.Random, texts: Sequence[str], length: int,
         # The name must not be assigned again (its value is the one asked for).
         early = [(i, n, lit) for i, n, lit in early
                  if sum(line.lstrip().startswith(f"{n} =") for line in kept) == 1]
-        if early and len(kept) >= 50:
+        if early:
             line, name, literal = rng.choice(early)
             return LongContextItem("code", text + f"\nassert {name} ==", literal,
                                    (line / len(kept),))

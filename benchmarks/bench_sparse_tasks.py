@@ -1,0 +1,212 @@
+"""Long-context task accuracy, active tokens and decode speed of the sparse attention
+backends against dense, on a long-context model (models/pycoder-long).
+
+Tasks: tokenmill.train.longctx_tasks (needle, multi-key, multi-value, code), built
+from held-out stdlib files with seeds 0 .. per-kind - 1 (never trained on), scored on
+the greedy completion's first line. Each item runs alone, so the backend's counters
+give that item's keys per decode query and KV head, per head kind (retrieval / local
+for retrieval-topp; every head is "selected" for quest and static-topk) — the spread
+across items is the budget adapting (or not) to the task.
+
+Methods: `dense` (the default backend, paged-native), `paged` (the PyTorch paged
+path the sparse backends extend: their prefill and dense layers), `<backend>@<budget>` for quest / static-topk
+(tokens per query), `retrieval-topp@<p>` (--sparse-top-p; budget ceiling --ceiling).
+
+--speed adds decode tokens/s at batch 1 and 8 per context length: requests of
+--lengths tokens of held-out code are prefilled, then --decode-steps decode steps are
+timed (every backend in the same run, interleaved per length).
+
+    python benchmarks/bench_sparse_tasks.py [--model models/pycoder-long]
+        [--lengths 2048,4096,8192] [--per-kind 10] [--methods dense,static-topk@512,...]
+        [--speed] [--plot docs/bench_sparse_tasks.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.train.corpus import held_out_texts
+from tokenmill.train.longctx import EVAL_MAX_TOKENS
+from tokenmill.train.longctx_tasks import KINDS, make_items, score
+
+DEFAULT_METHODS = ("dense,static-topk@256,static-topk@1024,quest@256,quest@1024,"
+                   "retrieval-topp@0.5,retrieval-topp@0.9")
+
+
+def engine_options(method: str, args: argparse.Namespace) -> dict:
+    if method in ("dense", "paged"):  # the default backend, and the path sparse ones extend
+        return {"attention_backend": "paged-native" if method == "dense" else "paged"}
+    backend, _, value = method.partition("@")
+    options = {"attention_backend": backend, "sparse_dense_layers": args.dense_layers}
+    if backend == "retrieval-topp":
+        options.update(sparse_top_p=float(value), sparse_budget=args.ceiling,
+                       sparse_retrieval_fraction=args.retrieval_fraction)
+    else:
+        options["sparse_budget"] = int(value)
+    return options
+
+
+def counts(llm: LLM) -> dict[str, list[int]]:
+    backend = llm.engine.executor.worker.runner.backend
+    return {kind: list(c) for kind, c in getattr(backend, "kind_counts", {}).items()}
+
+
+def run_tasks(llm: LLM, texts: list[str], kinds: list[str], lengths: list[int],
+              per_kind: int) -> dict:
+    """{(kind, length): {"accuracy", "active": {head kind: [keys per query per item]}}}"""
+    params = SamplingParams(temperature=0, max_tokens=EVAL_MAX_TOKENS)
+    results = {}
+    for kind in kinds:
+        for length in lengths:
+            items = make_items(kind, per_kind, 0, texts, length,
+                               lambda text: len(llm.engine.encode(text)))
+            right, active = 0, {}
+            for item in items:
+                before = counts(llm)
+                output = llm.generate([item.prompt], params)[0]
+                right += score(item, output.outputs[0].text)
+                for head_kind, (keys, queries) in counts(llm).items():
+                    old = before.get(head_kind, [0, 0])
+                    if queries > old[1]:
+                        active.setdefault(head_kind, []).append(
+                            (keys - old[0]) / (queries - old[1]))
+            results[(kind, length)] = {"accuracy": right / len(items), "active": active}
+            print(f"  {kind} @ {length}: {right}/{len(items)}", file=sys.stderr, flush=True)
+    return results
+
+
+def decode_speed(llm: LLM, prompt: list[int], batch: int, steps: int) -> float:
+    """Decode tokens/s of `batch` requests of `prompt`, timed after their prefill."""
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+    for i in range(batch):
+        # A distinct first token per request: no prefix-cache sharing between them.
+        engine.add_request(f"speed-{i}", [prompt[0] + i + 1] + prompt[1:], params)
+    while any(not c.output_token_ids for g in engine.groups.values() for c in g.children):
+        engine.step()
+    for _ in range(2):  # warm-up: first decode steps of a new shape
+        engine.step()
+    started, done = time.perf_counter(), 0
+    while done < steps and engine.has_unfinished_requests():
+        engine.step()
+        done += 1
+    elapsed = time.perf_counter() - started
+    while engine.has_unfinished_requests():
+        engine.step()
+    return batch * done / elapsed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/pycoder-long")
+    parser.add_argument("--lengths", default="2048,4096,8192")
+    parser.add_argument("--per-kind", type=int, default=10)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--dense-layers", type=int, default=2)
+    parser.add_argument("--ceiling", type=int, default=2048,
+                        help="retrieval-topp's --sparse-budget (most tokens a head keeps)")
+    parser.add_argument("--retrieval-fraction", type=float, default=0.15)
+    parser.add_argument("--speed", action="store_true")
+    parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--no-tasks", action="store_true")
+    parser.add_argument("--plot", type=Path, default=None)
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    kinds = args.kinds.split(",")
+    methods = args.methods.split(",")
+    texts = held_out_texts()
+    table = {}
+    if not args.no_tasks:
+        for method in methods:
+            print(f"{method} ...", file=sys.stderr, flush=True)
+            llm = LLM(args.model, progress=False, **engine_options(method, args))
+            table[method] = run_tasks(llm, texts, kinds, lengths, args.per_kind)
+            llm.engine.shutdown()
+        print_tasks(table, methods, kinds, lengths, args)
+    if args.speed:
+        print_speed(args, methods, lengths, texts)
+    if args.plot and table:
+        plot(table, methods, kinds, lengths, args.plot)
+    return 0
+
+
+def print_tasks(table, methods, kinds, lengths, args) -> None:
+    print(f"{args.model}: {args.per_kind} held-out items per task and length, greedy; "
+          f"first {args.dense_layers} layers dense")
+    print("| method | " + " | ".join(f"{k} {n}" for k in kinds for n in lengths)
+          + " | mean keys / query (retrieval, local or selected heads) |")
+    print("|" + " --- |" * (2 + len(kinds) * len(lengths)))
+    for method in methods:
+        cells = [f"{100 * table[method][(k, n)]['accuracy']:.0f}%"
+                 for k in kinds for n in lengths]
+        pooled: dict[str, list[float]] = {}
+        for result in table[method].values():
+            for head_kind, values in result["active"].items():
+                pooled.setdefault(head_kind, []).extend(values)
+        active = ", ".join(f"{kind} {statistics.mean(v):.0f}" for kind, v in pooled.items())
+        print(f"| {method} | " + " | ".join(cells) + f" | {active or 'all'} |")
+    for method in methods:
+        rows = [(k, n, table[method][(k, n)]["active"].get("retrieval"))
+                for k in kinds for n in lengths]
+        if any(r[2] for r in rows):
+            print(f"\n{method}: retrieval-head keys per query, per item (min / median / max)")
+            for kind, length, values in rows:
+                print(f"  {kind} @ {length}: {min(values):.0f} / "
+                      f"{statistics.median(values):.0f} / {max(values):.0f}")
+
+
+def print_speed(args, methods, lengths, texts) -> None:
+    llms = {m: LLM(args.model, progress=False, **engine_options(m, args)) for m in methods}
+    ids = [t for text in texts for t in llms[methods[0]].engine.encode(text)]
+    print("\n| context | batch | " + " | ".join(methods) + " |")
+    print("|" + " --- |" * (2 + len(methods)))
+    for length in lengths:
+        for batch in (1, 8):
+            speeds = {m: decode_speed(llms[m], ids[:length - args.decode_steps - 4], batch,
+                                      args.decode_steps) for m in methods}
+            dense = speeds.get("dense")
+            cells = [f"{s:.1f}" + (f" ({s / dense:.2f}x)" if dense and m != "dense" else "")
+                     for m, s in speeds.items()]
+            print(f"| {length} | {batch} | " + " | ".join(cells) + " |", flush=True)
+    for llm in llms.values():
+        llm.engine.shutdown()
+
+
+def plot(table, methods, kinds, lengths, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, len(kinds) + 1, figsize=(4 * (len(kinds) + 1), 3.6))
+    for axis, kind in zip(axes, kinds, strict=False):
+        for method in methods:
+            axis.plot(lengths, [100 * table[method][(kind, n)]["accuracy"] for n in lengths],
+                      marker="o", label=method)
+        axis.set_title(kind)
+        axis.set_xlabel("context tokens")
+        axis.set_ylim(-5, 105)
+    axes[0].set_ylabel("accuracy (%)")
+    axes[0].legend(fontsize=7)
+    topp = [m for m in methods if m.startswith("retrieval-topp")]
+    boxes, labels = [], []
+    for kind in kinds:
+        values = [v for n in lengths
+                  for v in table[topp[-1]][(kind, n)]["active"].get("retrieval", [])] if topp else []
+        boxes.append(values)
+        labels.append(kind)
+    axes[-1].boxplot(boxes, tick_labels=labels)
+    axes[-1].set_title(f"{topp[-1] if topp else ''}: retrieval keys / query")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Extending a model to long context (train/longctx.py): rows hold one task item with
+its answer masked for the extra loss term, the loss without that term is transformers'
+own, and a short run writes a model with the larger RoPE base that tokenmill serves
+token for token as transformers does."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from tests.train.conftest import tiny_preset
+from tokenmill import LLM, SamplingParams
+from tokenmill.train.longctx import (
+    LongContextRecipe,
+    LongPhase,
+    RowMaker,
+    answer_text,
+    train_long_context,
+    weighted_loss,
+)
+from tokenmill.train.longctx_tasks import make_item
+from tokenmill.train.tokenizer import load_tokenizer
+from tokenmill.train.trainer import train_model
+
+RECIPE = LongContextRecipe(phases=(LongPhase(4, 256, 2, 0.5), LongPhase(2, 512, 1, 0.5)),
+                           rope_theta=40_000.0, max_position_embeddings=512,
+                           warmup_steps=2, task_share=1.0)
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory, tiny_tokenizer_dir, tiny_train_texts, tiny_held_out_texts):
+    out = tmp_path_factory.mktemp("longctx_base") / "base"
+    train_model(tiny_preset("llama", 5), tiny_tokenizer_dir, out, tiny_train_texts,
+                tiny_held_out_texts, show_progress=False)
+    return out
+
+
+def code_tokens(tokenizer, texts: list[str]) -> torch.Tensor:
+    return torch.tensor([t for text in texts
+                         for t in tokenizer.backend_tokenizer.encode(text).ids])
+
+
+def test_a_task_row_masks_exactly_its_answer(tiny_tokenizer_dir, tiny_train_texts):
+    tokenizer = load_tokenizer(tiny_tokenizer_dir)
+    code = code_tokens(tokenizer, tiny_train_texts)
+    rows = RowMaker(tokenizer, tiny_train_texts, code, replace(RECIPE, task_share=1.0))
+    again = RowMaker(tokenizer, tiny_train_texts, code, replace(RECIPE, task_share=1.0))
+    for _ in range(6):
+        ids, mask = rows.batch(256, 2)
+        assert torch.equal(ids, again.batch(256, 2)[0])  # seeded
+        assert ids.shape == mask.shape == (2, 256)
+        for row_ids, row_mask in zip(ids.tolist(), mask.tolist(), strict=True):
+            answer = [t for t, m in zip(row_ids, row_mask, strict=True) if m]
+            if not answer:  # a `code` item with no usable file: a plain code row
+                continue
+            text = tokenizer.decode(answer)
+            assert text.endswith("\n") and text.strip()
+            first = row_mask.index(1)
+            assert all(row_mask[first:first + len(answer)])  # one contiguous answer
+    item = make_item("needle", 1, tiny_train_texts, 200, rows.count)
+    assert answer_text(item) == f" {item.answer}\n"
+
+
+def test_without_the_answer_term_the_loss_is_transformers_own(base_model):
+    model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
+    ids = torch.randint(1, 400, (2, 40), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(2, 40)
+    loss, answer = weighted_loss(model, ids, mask, answer_weight=1.0)
+    torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss)
+    mask[:, 30:33] = 1
+    loss, answer = weighted_loss(model, ids, mask, answer_weight=1.0)
+    logits = model(input_ids=ids).logits[:, :-1]
+    ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+    torch.testing.assert_close(torch.tensor(answer), ce[:, 29:32].mean())
+    torch.testing.assert_close(loss, ce.mean() + ce[:, 29:32].mean())
+
+
+def test_a_short_run_extends_the_context_and_serves_like_transformers(
+        base_model, tmp_path, tiny_train_texts, tiny_held_out_texts):
+    out = tmp_path / "long"
+    log = train_long_context(base_model, out, tiny_train_texts, tiny_held_out_texts, RECIPE)
+    assert log["phase_steps"] == [4, 2]
+    assert set(log["held_out_after"]) == {"512"}
+    config = json.loads((out / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 40_000.0
+    assert config["max_position_embeddings"] == 512
+    model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    prompt = torch.randint(1, 400, (1, 300), generator=torch.Generator().manual_seed(1))
+    expected = model.generate(prompt, max_new_tokens=8, do_sample=False,
+                              pad_token_id=0)[0, 300:].tolist()
+    llm = LLM(str(out), progress=False)
+    got = llm.generate([prompt[0].tolist()], SamplingParams(temperature=0, max_tokens=8,
+                                                            ignore_eos=True))
+    assert list(got[0].outputs[0].token_ids) == expected
+    llm.engine.shutdown()
