@@ -11,6 +11,7 @@ import torch
 
 from tests.engine_run import run_staggered
 from tokenmill import SamplingParams
+from tokenmill.attention.block_sparse import BlockSparseAttention
 from tokenmill.attention.retrieval import clamp_blocks, top_p_blocks
 from tokenmill.attention.sparse_calibration import (
     SparseCalibration,
@@ -171,7 +172,8 @@ def test_a_small_budget_adapts_and_composes(calibrated):
         backend = engine.executor.worker.runner.backend
         local_keys, local_queries = backend.kind_counts["local"]
         retrieval_keys, retrieval_queries = backend.kind_counts["retrieval"]
-        assert local_keys / local_queries <= 4 + 8  # sinks and window only
+        # Sinks and window only: one block of 4, and the blocks of the last 8 tokens.
+        assert local_keys / local_queries <= 4 + 12
         # The floor and the ceiling (block aligned: up to the window's partial block).
         assert 8 <= retrieval_keys / retrieval_queries <= 16 + 4 + 8
         assert all(len(t) == GREEDY.max_tokens for t in tokens)
@@ -198,3 +200,17 @@ def test_retrieval_topp_refuses_what_it_cannot_do(model_factory, tmp_path):
         EngineConfig(model=ModelConfig(model="m"),
                      attention=AttentionConfig(attention_backend="retrieval-topp"),
                      parallel=ParallelConfig(tensor_parallel_size=2))
+
+
+@pytest.mark.parametrize("backend", ["retrieval-topp", "quest"])
+def test_the_in_place_route_equals_the_gathered_one(calibrated, backend, monkeypatch):
+    model_dir, path = calibrated
+    options = dict(attention_backend=backend, sparse_calibration=path, sparse_dense_layers=1,
+                   sparse_sink_tokens=4, sparse_window=8, sparse_min_tokens=8,
+                   sparse_budget=16, sparse_top_p=0.5, sparse_retrieval_fraction=0.5)
+    in_place, engine = run(model_dir, **options)
+    counted = dict(engine.executor.worker.runner.backend.kind_counts)
+    monkeypatch.setattr(BlockSparseAttention, "in_place", False)
+    gathered, engine = run(model_dir, **options)
+    assert in_place == gathered
+    assert engine.executor.worker.runner.backend.kind_counts == counted

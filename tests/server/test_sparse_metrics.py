@@ -42,5 +42,5 @@ def test_retrieval_topp_server_reports_each_head_kind(server_factory, llama_dir,
         text, QUERIES, head_kind="local")
     retrieval = metric_value(text, KEYS, head_kind="retrieval") / metric_value(
         text, QUERIES, head_kind="retrieval")
-    assert 0 < local <= 12  # sinks and window only
+    assert 0 < local <= 16  # sinks and window only (whole blocks)
     assert 8 <= retrieval <= 16 + 12

@@ -1,11 +1,20 @@
 """What every block-sparse decode backend shares (quest, static-topk, retrieval-topp).
 
 A sparse backend decides, per decode row and KV head, which of the row's KV blocks to
-keep (`select_blocks`: a boolean mask over the row's logical blocks) and, optionally,
-which tokens of the kept blocks (`token_filter`); attention then runs exactly over
-those keys, read from the paged cache (dequantised if the cache is quantized), in
-context order. The first `sparse.dense_layers` layers, prefill chunks and speculative
-rows take the dense paged path.
+keep (`select_blocks`: a boolean mask over the row's logical blocks, which must keep
+each row's last block, the one its query sits in); attention then runs exactly over
+the tokens of those blocks, in context order. Two routes compute it:
+
+- in place (float32 cache on the CPU): the heads are grouped by identical masks (all
+  local heads of retrieval-topp share one), and per group the paged-native kernel
+  runs once over a virtual block table of the kept blocks (its length: the kept
+  blocks, the last one partly filled), the group's heads taken from its output;
+- gathered (any other cache): the kept blocks' K/V are gathered per KV head
+  (dequantised if the cache is quantized) and one masked SDPA runs over them.
+
+The two agree to float32 rounding. The first `sparse.dense_layers` layers, prefill
+chunks and speculative rows take the dense path of paged-native (its kernel, or the
+paged path where it does not apply).
 
 Per-layer state beside the cache (key bounds, an index) is updated from the fresh
 keys of each step (`observe_keys`), which needs the layer index: early exit, which
@@ -21,7 +30,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.paged import PagedAttention, PagedMetadata
+from tokenmill.attention.paged import PagedMetadata
+from tokenmill.attention.paged_native import PagedNativeAttention, native_decode
 from tokenmill.kv import KVCache
 from tokenmill.kv.quant import dequantize
 
@@ -39,10 +49,27 @@ def mask_to_blocks(block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return torch.where(used, chosen, chosen[..., :1]), used
 
 
-class BlockSparseAttention(PagedAttention):
+def head_groups(block_mask: torch.Tensor) -> list[list[int]]:
+    """KV heads whose masks [D, KVH, W] are equal on every row, grouped."""
+    groups: list[list[int]] = []
+    for head in range(block_mask.shape[1]):
+        for group in groups:
+            if torch.equal(block_mask[:, group[0]], block_mask[:, head]):
+                group.append(head)
+                break
+        else:
+            groups.append([head])
+    return groups
+
+
+class BlockSparseAttention(PagedNativeAttention):
     name = "block-sparse"  # abstract: subclasses register under their own names
 
+    # False: always the gathered route (the tests compare the two).
+    in_place = True
+
     def allocate_state(self, kv_caches: list[KVCache]) -> None:
+        super().allocate_state(kv_caches)  # the kernel, built at start-up
         self.active_tokens = 0
         self.queries = 0
         self.kind_counts: dict[str, list[int]] = {}
@@ -73,11 +100,6 @@ class BlockSparseAttention(PagedAttention):
         rows' queries q [D, KVH, G, Dh] (a row's blocks past its length unset)."""
         raise NotImplementedError
 
-    def token_filter(self, layer_index: int, positions: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor | None:
-        """Optionally, which positions [D, KVH, n] of the kept blocks stay (None: all)."""
-        return None
-
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                  metadata: PagedMetadata) -> None:
         raise NotImplementedError(f"{self.name} keeps per-layer state: early exit, which "
@@ -94,16 +116,53 @@ class BlockSparseAttention(PagedAttention):
             return super()._decode(q, kv_cache, metadata, scale, layer_index)
         block_size, kv_heads = self.spec.block_size, self.spec.num_kv_heads
         tables = metadata.decode_block_tables  # [D, W]
-        rows = tables.shape[0]
-        heads, head_dim = q.shape[1], q.shape[2]
-        group = heads // kv_heads
+        rows, width = tables.shape
+        group = q.shape[1] // kv_heads
         lengths = metadata.decode_lengths  # its context and its own token
-        grouped = q.view(rows, kv_heads, group, head_dim)
+        grouped = q.view(rows, kv_heads, group, q.shape[2])
         block_mask = self.select_blocks(layer_index, grouped.float(), tables, lengths,
                                         kv_cache)
+        # Tokens each block holds (the last one partly filled), for the counters.
+        starts = torch.arange(width, device=q.device) * block_size
+        filled = (lengths[:, None] - starts).clamp(0, block_size)  # [D, W]
+        self._count(layer_index, (block_mask * filled[:, None]).sum(-1))
+        kernel = native_decode() if self.in_place and q.device.type == "cpu" else None
+        last = ((lengths - 1) // block_size)[:, None, None].expand(rows, kv_heads, 1)
+        if (kernel is not None and not kv_cache.quantized and q.dtype == torch.float32
+                and kv_cache.data.dtype == torch.float32
+                and bool(block_mask.gather(2, last).all())):  # the contract, checked
+            return self._in_place(kernel, q, block_mask, tables, lengths, kv_cache, scale)
+        return self._gathered(grouped, block_mask, tables, lengths, kv_cache, scale)
+
+    def _in_place(self, kernel, q: torch.Tensor, block_mask: torch.Tensor,
+                  tables: torch.Tensor, lengths: torch.Tensor, kv_cache: KVCache,
+                  scale: float) -> torch.Tensor:
+        block_size = self.spec.block_size
+        group = q.shape[1] // self.spec.num_kv_heads
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+            q = q.contiguous()
+        last = (lengths - 1) // block_size
+        partial = lengths - last * block_size  # tokens of the last block
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for heads in head_groups(block_mask):
+            chosen, used = mask_to_blocks(block_mask[:, heads[:1]])
+            virtual = tables.gather(1, chosen[:, 0]).contiguous()
+            length = (used[:, 0].sum(-1) - 1) * block_size + partial
+            result = kernel.paged_decode(q, kv_cache.data[0], kv_cache.data[1], virtual,
+                                         length.contiguous(), scale)
+            for head in heads:
+                out[:, head * group:(head + 1) * group] = result[:, head * group:
+                                                                 (head + 1) * group]
+        return out
+
+    def _gathered(self, grouped: torch.Tensor, block_mask: torch.Tensor,
+                  tables: torch.Tensor, lengths: torch.Tensor, kv_cache: KVCache,
+                  scale: float) -> torch.Tensor:
+        block_size, kv_heads = self.spec.block_size, self.spec.num_kv_heads
+        rows, _, group, head_dim = grouped.shape
         chosen, used = mask_to_blocks(block_mask)  # [D, KVH, k]
         physical = tables.gather(1, chosen.reshape(rows, -1)).view_as(chosen)
-        head = torch.arange(kv_heads, device=q.device)[None, :, None]
+        head = torch.arange(kv_heads, device=grouped.device)[None, :, None]
         keys = kv_cache.data[0][physical, :, head]  # [D, KVH, k, block, Dh]
         values = kv_cache.data[1][physical, :, head]
         if kv_cache.quantized:
@@ -114,24 +173,22 @@ class BlockSparseAttention(PagedAttention):
         keys = keys.reshape(rows, kv_heads, count * block_size, head_dim)
         values = values.reshape(rows, kv_heads, count * block_size, head_dim)
         positions = (chosen[..., None] * block_size
-                     + torch.arange(block_size, device=q.device)).reshape(rows, kv_heads, -1)
+                     + torch.arange(block_size, device=grouped.device)
+                     ).reshape(rows, kv_heads, -1)
         mask = ((positions < lengths[:, None, None])
                 & used.repeat_interleave(block_size, dim=-1))  # [D, KVH, k * block]
-        extra = self.token_filter(layer_index, positions, lengths)
-        if extra is not None:
-            mask &= extra
-        self._count(layer_index, mask)
         out = F.scaled_dot_product_attention(
-            grouped, keys.to(q.dtype), values.to(q.dtype),
+            grouped, keys.to(grouped.dtype), values.to(grouped.dtype),
             attn_mask=mask[:, :, None, :], scale=scale)  # [D, KVH, G, Dh]
-        return out.reshape(rows, heads, head_dim)
+        return out.reshape(rows, kv_heads * group, head_dim)
 
-    def _count(self, layer_index: int, mask: torch.Tensor) -> None:
-        per_head = mask.sum(dim=(0, 2)).tolist()  # keys per KV head, over the rows
-        rows = mask.shape[0]
-        for kind, keys in zip(self.head_kinds(layer_index), per_head, strict=True):
+    def _count(self, layer_index: int, keys: torch.Tensor) -> None:
+        """keys [D, KVH]: keys each row's query attended per KV head."""
+        per_head = keys.sum(0).tolist()
+        rows = keys.shape[0]
+        for kind, count in zip(self.head_kinds(layer_index), per_head, strict=True):
             entry = self.kind_counts.setdefault(kind, [0, 0])
-            entry[0] += int(keys)
+            entry[0] += int(count)
             entry[1] += rows
         self.active_tokens += int(sum(per_head))
         self.queries += rows * len(per_head)

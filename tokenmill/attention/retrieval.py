@@ -8,8 +8,8 @@ index. At load, the best-scored --sparse-retrieval-fraction of the sparse layers
 heads become retrieval heads; the rest are local heads.
 
 Per decode query of a sparse layer:
-- a local head attends to the first --sparse-sink-tokens tokens (attention sinks)
-  and the last --sparse-window tokens, and nothing else;
+- a local head attends to the blocks holding the first --sparse-sink-tokens tokens
+  (attention sinks) and the last --sparse-window tokens, and nothing else;
 - a retrieval head scores every token with its index (the query's and the key's
   index dimensions only: r of Dh dims, the key side kept beside the cache, r floats
   per token), turns the scores into a distribution (softmax at the attention's
@@ -21,7 +21,9 @@ Per decode query of a sparse layer:
   much;
 - attention over the kept keys is exact (block_sparse.BlockSparseAttention).
 
-A context that fits the sinks and the window is dense attention. The first
+Sinks and window are whole blocks (so every head's kept set is a list of blocks, which
+the in-place route of block_sparse runs through the paged-native kernel). A context
+that fits the sinks and the window is dense attention. The first
 --sparse-dense-layers layers, prefill chunks and speculative rows run dense.
 """
 
@@ -145,10 +147,3 @@ class RetrievalTopPAttention(BlockSparseAttention):
                             max(1, sparse.budget // block_size))
         mask[:, heads] = kept
         return mask
-
-    def token_filter(self, layer_index: int, positions: torch.Tensor,
-                     lengths: torch.Tensor) -> torch.Tensor:
-        sparse = self.spec.sparse
-        near = ((positions < sparse.sink_tokens)
-                | (positions >= (lengths - sparse.window)[:, None, None]))
-        return near | ~self.local[layer_index][None, :, None]
