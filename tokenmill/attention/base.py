@@ -36,6 +36,7 @@ class SparseSettings:
     window: int = 256
     retrieval_fraction: float = 0.15
     calibration: str | None = None  # path of a sparse_calibration.json
+    min_context: int | None = None  # None: measured on this machine (crossover.py)
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,9 @@ the tokens of those blocks, in context order. Two routes compute it:
   (dequantised if the cache is quantized) and one masked SDPA runs over them.
 
 The two agree to float32 rounding. The first `sparse.dense_layers` layers, prefill
-chunks and speculative rows take the dense path of paged-native (its kernel, or the
-paged path where it does not apply).
+chunks, speculative rows and rows whose context is shorter than the crossover
+(`--sparse-min-context`, measured on this machine by default: crossover.py) take the
+dense path of paged-native (its kernel, or the paged path where it does not apply).
 
 Per-layer state beside the cache (key bounds, an index) is updated from the fresh
 keys of each step (`observe_keys`), which needs the layer index: early exit, which
@@ -27,9 +28,13 @@ engine's metrics and the benchmarks report.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention.crossover import crossover_for
 from tokenmill.attention.paged import PagedMetadata
 from tokenmill.attention.paged_native import PagedNativeAttention, native_decode
 from tokenmill.kv import KVCache
@@ -74,6 +79,26 @@ class BlockSparseAttention(PagedNativeAttention):
         self.queries = 0
         self.kind_counts: dict[str, list[int]] = {}
         self._taken: dict[str, tuple[int, int]] = {}
+        self.allocate_sparse_state(kv_caches)
+        self.min_context = self.spec.sparse.min_context
+        if self.min_context is None and os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0":
+            self.min_context = 0  # no measurement (the test suite): always sparse
+        if self.min_context is None and kv_caches:
+            layer = min(self.spec.sparse.dense_layers, len(kv_caches) - 1)
+            self.min_context = crossover_for(self, kv_caches[layer], layer,
+                                             super()._decode, self._sparse)
+            self.kind_counts.clear()  # the probe's
+            self.active_tokens = self.queries = 0
+
+    def allocate_sparse_state(self, kv_caches: list[KVCache]) -> None:
+        """Allocate per-layer state beside the cache (before the self-check runs)."""
+
+    def _rows(self, metadata: PagedMetadata, rows: torch.Tensor) -> PagedMetadata:
+        """The metadata of a subset of the decode rows."""
+        return dataclasses.replace(
+            metadata, num_decode_tokens=len(rows),
+            decode_block_tables=metadata.decode_block_tables[rows],
+            decode_mask=metadata.decode_mask[rows], decode_lengths=metadata.decode_lengths[rows])
 
     def take_counts(self) -> dict[str, tuple[int, int]]:
         """Per head kind, (keys attended, queries) since the last call (the worker
@@ -114,6 +139,20 @@ class BlockSparseAttention(PagedNativeAttention):
                 scale: float, layer_index: int) -> torch.Tensor:
         if layer_index < self.spec.sparse.dense_layers or metadata.decode_query_len != 1:
             return super()._decode(q, kv_cache, metadata, scale, layer_index)
+        sparse_rows = metadata.decode_lengths >= self.min_context
+        if bool(sparse_rows.all()):
+            return self._sparse(q, kv_cache, metadata, scale, layer_index)
+        if not bool(sparse_rows.any()):
+            return super()._decode(q, kv_cache, metadata, scale, layer_index)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        for rows, route in ((sparse_rows.nonzero().flatten(), self._sparse),
+                            ((~sparse_rows).nonzero().flatten(), super()._decode)):
+            out[rows] = route(q[rows], kv_cache, self._rows(metadata, rows), scale,
+                              layer_index)
+        return out
+
+    def _sparse(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
+                scale: float, layer_index: int) -> torch.Tensor:
         block_size, kv_heads = self.spec.block_size, self.spec.num_kv_heads
         tables = metadata.decode_block_tables  # [D, W]
         rows, width = tables.shape

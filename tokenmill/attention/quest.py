@@ -61,8 +61,7 @@ def select_blocks(bounds: torch.Tensor, num_blocks: torch.Tensor, keep: int) -> 
 class QuestAttention(BlockSparseAttention):
     name = "quest"
 
-    def allocate_state(self, kv_caches: list[KVCache]) -> None:
-        super().allocate_state(kv_caches)
+    def allocate_sparse_state(self, kv_caches: list[KVCache]) -> None:
         shape = (kv_caches[0].data.shape[1], self.spec.num_kv_heads, self.spec.head_dim)
         device = kv_caches[0].data.device
         self.key_min = [torch.full(shape, float("inf"), device=device) for _ in kv_caches]

@@ -67,8 +67,7 @@ def clamp_blocks(chosen: torch.Tensor, forced: torch.Tensor, priority: torch.Ten
 class RetrievalTopPAttention(BlockSparseAttention):
     name = "retrieval-topp"
 
-    def allocate_state(self, kv_caches: list[KVCache]) -> None:
-        super().allocate_state(kv_caches)
+    def allocate_sparse_state(self, kv_caches: list[KVCache]) -> None:
         spec, sparse = self.spec, self.spec.sparse
         if sparse.calibration is None or not Path(sparse.calibration).is_file():
             raise ValueError(

@@ -40,6 +40,9 @@ class AttentionConfig:
     # retrieval-topp: the calibration file (default: sparse_calibration.json in the
     # model directory, written by `tokenmill calibrate sparse`).
     sparse_calibration: str | None = None
+    # Sparse backends: decode rows with a shorter context run dense attention. None:
+    # the crossover measured on this machine at start-up (cached); 0: always sparse.
+    sparse_min_context: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.attention_backend, str) and bool(self.attention_backend),
@@ -57,3 +60,7 @@ class AttentionConfig:
         _require(isinstance(self.sparse_retrieval_fraction, (int, float))
                  and 0 < self.sparse_retrieval_fraction <= 1, "sparse_retrieval_fraction",
                  "in (0, 1]", self.sparse_retrieval_fraction)
+        _require(self.sparse_min_context is None
+                 or (isinstance(self.sparse_min_context, int) and self.sparse_min_context >= 0),
+                 "sparse_min_context", "None (measured) or a number of tokens >= 0",
+                 self.sparse_min_context)

@@ -315,7 +315,8 @@ def sparse_settings(config: EngineConfig) -> SparseSettings:
     return SparseSettings(attention.sparse_budget, attention.sparse_dense_layers,
                           attention.sparse_top_p, attention.sparse_min_tokens,
                           attention.sparse_sink_tokens, attention.sparse_window,
-                          attention.sparse_retrieval_fraction, calibration)
+                          attention.sparse_retrieval_fraction, calibration,
+                          attention.sparse_min_context)
 
 
 def early_exit(config: EngineConfig) -> EarlyExit | None:
