@@ -124,7 +124,8 @@ def main() -> int:
     for backend in args.backends.split(","):
         for budget in (int(b) for b in args.budgets.split(",")):
             result = measure(args.model, texts, args.prompt, attention_backend=backend,
-                             sparse_budget=budget, sparse_dense_layers=args.dense_layers)
+                             sparse_budget=budget, sparse_dense_layers=args.dense_layers,
+                             sparse_min_context=0)
             stats = compare(result, dense, texts, args.prompt)
             delta = stats["ppl"] / base["ppl"] - 1
             points.append((backend, budget, stats["kl"]))

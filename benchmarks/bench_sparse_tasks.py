@@ -42,7 +42,8 @@ def engine_options(method: str, args: argparse.Namespace) -> dict:
     if method in ("dense", "paged"):  # the default backend, and the path sparse ones extend
         return {"attention_backend": "paged-native" if method == "dense" else "paged"}
     backend, _, value = method.partition("@")
-    options = {"attention_backend": backend, "sparse_dense_layers": args.dense_layers}
+    options = {"attention_backend": backend, "sparse_dense_layers": args.dense_layers,
+               "sparse_min_context": args.min_context}
     if backend == "retrieval-topp":
         options.update(sparse_top_p=float(value), sparse_budget=args.ceiling,
                        sparse_retrieval_fraction=args.retrieval_fraction)
@@ -112,6 +113,9 @@ def main() -> int:
     parser.add_argument("--ceiling", type=int, default=2048,
                         help="retrieval-topp's --sparse-budget (most tokens a head keeps)")
     parser.add_argument("--retrieval-fraction", type=float, default=0.15)
+    parser.add_argument("--min-context", type=int, default=0,
+                        help="--sparse-min-context (0: sparse at every length, as measured "
+                             "here; the engine's default measures a crossover)")
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--no-tasks", action="store_true")
