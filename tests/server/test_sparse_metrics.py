@@ -29,6 +29,8 @@ def test_quest_server_reports_keys_per_query(server_factory):
     assert queries and queries > 0
     # Four blocks of 4 keys per query at most, though the context grows past 40.
     assert 0 < keys / queries <= 16
+    for layer in ("0", "1"):  # each sparse layer has its own samples
+        assert metric_value(text, QUERIES, layer=layer, head_kind="selected") == queries
 
 
 def test_retrieval_topp_server_reports_each_head_kind(server_factory, llama_dir, tmp_path):

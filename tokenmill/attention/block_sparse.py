@@ -22,8 +22,8 @@ keys of each step (`observe_keys`), which needs the layer index: early exit, whi
 writes K/V without one, is refused.
 
 Counters: `active_tokens` / `queries` (keys attended per decode query and KV head,
-summed over sparse layers), and the same per head kind (`kind_counts`), which the
-engine's metrics and the benchmarks report.
+summed over sparse layers), the same per head kind (`kind_counts`) and per layer and
+head kind (`layer_counts`), which the engine's metrics and the benchmarks report.
 """
 
 from __future__ import annotations
@@ -78,7 +78,8 @@ class BlockSparseAttention(PagedNativeAttention):
         self.active_tokens = 0
         self.queries = 0
         self.kind_counts: dict[str, list[int]] = {}
-        self._taken: dict[str, tuple[int, int]] = {}
+        self.layer_counts: dict[tuple[int, str], list[int]] = {}
+        self._taken: dict[tuple[int, str], tuple[int, int]] = {}
         self.allocate_sparse_state(kv_caches)
         self.min_context = self.spec.sparse.min_context
         if self.min_context is None and os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0":
@@ -88,6 +89,7 @@ class BlockSparseAttention(PagedNativeAttention):
             self.min_context = crossover_for(self, kv_caches[layer], layer,
                                              super()._decode, self._sparse)
             self.kind_counts.clear()  # the probe's
+            self.layer_counts.clear()
             self.active_tokens = self.queries = 0
 
     def allocate_sparse_state(self, kv_caches: list[KVCache]) -> None:
@@ -100,15 +102,15 @@ class BlockSparseAttention(PagedNativeAttention):
             decode_block_tables=metadata.decode_block_tables[rows],
             decode_mask=metadata.decode_mask[rows], decode_lengths=metadata.decode_lengths[rows])
 
-    def take_counts(self) -> dict[str, tuple[int, int]]:
-        """Per head kind, (keys attended, queries) since the last call (the worker
-        reports them per step); `kind_counts` keeps the totals."""
+    def take_counts(self) -> dict[tuple[int, str], tuple[int, int]]:
+        """Per (layer, head kind), (keys attended, queries) since the last call (the
+        worker reports them per step); `layer_counts` keeps the totals."""
         taken = {}
-        for kind, (keys, queries) in self.kind_counts.items():
-            before = self._taken.get(kind, (0, 0))
+        for key, (keys, queries) in self.layer_counts.items():
+            before = self._taken.get(key, (0, 0))
             if queries > before[1]:
-                taken[kind] = (keys - before[0], queries - before[1])
-            self._taken[kind] = (keys, queries)
+                taken[key] = (keys - before[0], queries - before[1])
+            self._taken[key] = (keys, queries)
         return taken
 
     def head_kinds(self, layer_index: int) -> list[str]:
@@ -226,8 +228,9 @@ class BlockSparseAttention(PagedNativeAttention):
         per_head = keys.sum(0).tolist()
         rows = keys.shape[0]
         for kind, count in zip(self.head_kinds(layer_index), per_head, strict=True):
-            entry = self.kind_counts.setdefault(kind, [0, 0])
-            entry[0] += int(count)
-            entry[1] += rows
+            for entry in (self.kind_counts.setdefault(kind, [0, 0]),
+                          self.layer_counts.setdefault((layer_index, kind), [0, 0])):
+                entry[0] += int(count)
+                entry[1] += rows
         self.active_tokens += int(sum(per_head))
         self.queries += rows * len(per_head)

@@ -22,9 +22,9 @@ class EngineStats:
     # their sparse layers (keys per query = the first over the second).
     sparse_attention_keys: int = 0
     sparse_attention_queries: int = 0
-    # The same per head kind ("selected" for quest and static-topk; "retrieval" and
-    # "local" for retrieval-topp): kind -> [keys, queries].
-    sparse_attention_by_kind: dict[str, list[int]] = field(default_factory=dict)
+    # The same per layer and head kind ("selected" for quest and static-topk;
+    # "retrieval" and "local" for retrieval-topp): (layer, kind) -> [keys, queries].
+    sparse_attention_by_layer: dict[tuple[int, str], list[int]] = field(default_factory=dict)
 
     @property
     def spec_acceptance_rate(self) -> float | None:

@@ -108,9 +108,10 @@ class StepOutput:
     rank_load: list[list[int]] = field(default_factory=list, compare=False)
     # Expert copies whose weights moved between ranks before this step (re-planning).
     expert_moves: int = field(default=0, compare=False)
-    # Sparse attention, per head kind: (keys attended, (decode query, KV head) pairs)
-    # this step.
-    sparse_attention: dict[str, tuple[int, int]] = field(default_factory=dict, compare=False)
+    # Sparse attention, per (layer, head kind): (keys attended, (decode query, KV head)
+    # pairs) this step.
+    sparse_attention: dict[tuple[int, str], tuple[int, int]] = field(default_factory=dict,
+                                                                     compare=False)
 
     def output(self, request_id: str) -> RequestStepOutput:
         """The request's entry, created on first use."""

@@ -138,8 +138,8 @@ class EngineSnapshot:
     spec_accepted_tokens: int = 0
     spec_verifications: int = 0
     spec_accepted_by_position: tuple[int, ...] = ()
-    # Sparse attention, per head kind: (kind, keys, queries).
-    sparse_attention_by_kind: tuple[tuple[str, int, int], ...] = ()
+    # Sparse attention: (layer, head kind, keys, queries).
+    sparse_attention_by_layer: tuple[tuple[int, str, int, int], ...] = ()
     # MoE models: tokens per expert of each layer since start-up, and each layer's
     # max / mean expert load over the engine's window.
     expert_tokens: tuple[tuple[int, ...], ...] = ()
@@ -385,8 +385,8 @@ class AsyncLLMEngine:
             spec_accepted_tokens=stats.spec_accepted_tokens,
             spec_verifications=stats.spec_verifications,
             spec_accepted_by_position=tuple(stats.spec_accepted_by_position),
-            sparse_attention_by_kind=tuple((kind, keys, queries) for kind, (keys, queries)
-                                           in sorted(stats.sparse_attention_by_kind.items())),
+            sparse_attention_by_layer=tuple((*key, keys, queries) for key, (keys, queries)
+                                            in sorted(stats.sparse_attention_by_layer.items())),
             **self._expert_snapshot())
 
     def _expert_snapshot(self) -> dict:

@@ -169,10 +169,10 @@ class LLMEngine:
             tracer.worker_step(output.phase_seconds)
         if output.expert_load:
             self.expert_load.record(output.expert_load, time.monotonic())
-        for kind, (keys, queries) in output.sparse_attention.items():
+        for key, (keys, queries) in output.sparse_attention.items():
             self.stats.sparse_attention_keys += keys
             self.stats.sparse_attention_queries += queries
-            entry = self.stats.sparse_attention_by_kind.setdefault(kind, [0, 0])
+            entry = self.stats.sparse_attention_by_layer.setdefault(key, [0, 0])
             entry[0] += keys
             entry[1] += queries
         if output.rank_load:

@@ -72,18 +72,18 @@ class _EngineCollector(Collector):
         for position, accepted in enumerate(snap.spec_accepted_by_position):
             by_position.add_metric([*values, str(position)], accepted)
         yield by_position
-        if snap.sparse_attention_by_kind:
+        if snap.sparse_attention_by_layer:
             keys = CounterMetricFamily(
                 PREFIX + "sparse_attention_keys",
-                "Keys sparse attention attended, over its sparse layers, per head kind.",
-                labels=[*labels, "head_kind"])
+                "Keys sparse attention attended, per sparse layer and head kind.",
+                labels=[*labels, "layer", "head_kind"])
             queries = CounterMetricFamily(
                 PREFIX + "sparse_attention_queries",
-                "Decode (query, KV head) pairs sparse attention served, per head kind.",
-                labels=[*labels, "head_kind"])
-            for kind, kind_keys, kind_queries in snap.sparse_attention_by_kind:
-                keys.add_metric([*values, kind], kind_keys)
-                queries.add_metric([*values, kind], kind_queries)
+                "Decode (query, KV head) pairs sparse attention served, per sparse layer "
+                "and head kind.", labels=[*labels, "layer", "head_kind"])
+            for layer, kind, kind_keys, kind_queries in snap.sparse_attention_by_layer:
+                keys.add_metric([*values, str(layer), kind], kind_keys)
+                queries.add_metric([*values, str(layer), kind], kind_queries)
             yield keys
             yield queries
         if snap.expert_tokens:
