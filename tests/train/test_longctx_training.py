@@ -22,6 +22,7 @@ from tokenmill.train.longctx import (
     train_long_context,
     weighted_loss,
 )
+from tokenmill.train.longctx_card import write_longctx_card
 from tokenmill.train.longctx_tasks import make_item
 from tokenmill.train.tokenizer import load_tokenizer
 from tokenmill.train.trainer import train_model
@@ -97,3 +98,8 @@ def test_a_short_run_extends_the_context_and_serves_like_transformers(
                                                             ignore_eos=True))
     assert list(got[0].outputs[0].token_ids) == expected
     llm.engine.shutdown()
+    # The card renders what the log holds.
+    card = write_longctx_card(out).read_text()
+    assert "| 1 | 4 / 4 | 256 | 2 |" in card and "| 2 | 2 / 2 | 512 | 1 |" in card
+    assert "RoPE base raised from 10000 to 40000" in card
+    assert (out / "loss_curve.png").is_file()

@@ -160,6 +160,11 @@ def _run_card(args: argparse.Namespace) -> int:
     from tokenmill.train.presets import get_preset
     from tokenmill.train.reasoning_card import write_reasoning_card
 
+    if (args.model / "longctx_log.json").is_file():
+        from tokenmill.train.longctx_card import write_longctx_card
+
+        print(f"wrote {write_longctx_card(args.model)}")
+        return 0
     preset = json.loads((args.model / "train_log.json").read_text())["preset"]
     if preset in PRESETS and get_preset(preset).extra.get("data") == "reasoning":
         path = write_reasoning_card(args.model)
