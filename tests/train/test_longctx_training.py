@@ -84,7 +84,7 @@ def test_a_short_run_extends_the_context_and_serves_like_transformers(
         base_model, tmp_path, tiny_train_texts, tiny_held_out_texts):
     out = tmp_path / "long"
     log = train_long_context(base_model, out, tiny_train_texts, tiny_held_out_texts, RECIPE)
-    assert log["phase_steps"] == [4, 2]
+    assert log["stages"][0]["phase_steps"] == [4, 2]
     assert set(log["held_out_after"]) == {"512"}
     config = json.loads((out / "config.json").read_text())
     assert config["rope_parameters"]["rope_theta"] == 40_000.0
@@ -103,3 +103,10 @@ def test_a_short_run_extends_the_context_and_serves_like_transformers(
     assert "| 1 | 4 / 4 | 256 | 2 |" in card and "| 2 | 2 / 2 | 512 | 1 |" in card
     assert "RoPE base raised from 10000 to 40000" in card
     assert (out / "loss_curve.png").is_file()
+    # A second stage continues the log: both stages, one curve.
+    again = train_long_context(out, tmp_path / "longer", tiny_train_texts,
+                               tiny_held_out_texts, replace(RECIPE, phases=RECIPE.phases[:1]))
+    assert [s["phase_steps"] for s in again["stages"]] == [[4, 2], [4]]
+    assert [h["step"] for h in again["history"]] == list(range(1, 11))
+    assert again["init_from"] == str(base_model)
+    assert "Stage 2" in write_longctx_card(tmp_path / "longer").read_text()

@@ -79,6 +79,10 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="wall-clock cap; each phase stops at its share of it")
     longctx.add_argument("--steps-scale", type=float, default=1.0,
                          help="multiply every phase's step count (e.g. 0.01 for a smoke run)")
+    longctx.add_argument("--phases", default=None,
+                         help="override the recipe's phases: STEPS:SEQ_LEN:BATCH:TIME_SHARE,...")
+    longctx.add_argument("--peak-lr", type=float, default=None, help="override the recipe's")
+    longctx.add_argument("--seed", type=int, default=None, help="override the recipe's (0)")
     longctx.add_argument("--eval-per-kind", type=int, default=20,
                          help="held-out task items per kind and length scored after training")
     longctx.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
@@ -195,12 +199,24 @@ def _run_longctx(args: argparse.Namespace) -> int:
 
     from tokenmill.llm import LLM
     from tokenmill.train.corpus import read_sources, split_sources
-    from tokenmill.train.longctx import LongContextRecipe, task_accuracy, train_long_context
+    from tokenmill.train.longctx import (
+        LongContextRecipe,
+        LongPhase,
+        task_accuracy,
+        train_long_context,
+    )
 
     recipe = LongContextRecipe()
+    if args.phases:
+        fields = [part.split(":") for part in args.phases.split(",")]
+        recipe = replace(recipe, phases=tuple(
+            LongPhase(int(steps), int(seq), int(batch), float(share))
+            for steps, seq, batch, share in fields))
     phases = tuple(replace(p, steps=max(1, round(p.steps * args.steps_scale)))
                    for p in recipe.phases)
-    recipe = replace(recipe, phases=phases)
+    recipe = replace(recipe, phases=phases,
+                     peak_lr=args.peak_lr if args.peak_lr is not None else recipe.peak_lr,
+                     seed=args.seed if args.seed is not None else recipe.seed)
     train, held_out = split_sources(read_sources(args.corpus_root))
     held_out_texts = [source.text for source in held_out]
     log = train_long_context(args.init_from, args.out, [source.text for source in train],

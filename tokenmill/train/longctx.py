@@ -212,11 +212,20 @@ def train_long_context(init_from: Path, out_dir: Path, train_texts: list[str],
     model.save_pretrained(str(out_dir), safe_serialization=True)
     copy_tokenizer_files(init_from, out_dir)
     _set_tokenizer_length(out_dir, recipe.max_position_embeddings)
-    log = {"init_from": str(init_from), "recipe": asdict(recipe),
-           "max_seconds": max_seconds, "steps": step, "phase_steps": phase_steps,
-           "phase_seconds": phase_seconds, "train_seconds": time.perf_counter() - started,
-           "torch_version": torch.__version__, "held_out_before": before,
-           "held_out_after": after, "history": history}
+    stage = {"recipe": asdict(recipe), "max_seconds": max_seconds,
+             "phase_steps": phase_steps, "phase_seconds": phase_seconds,
+             "train_seconds": time.perf_counter() - started}
+    # Continuing an extended model: its stages and curve come first.
+    earlier = (json.loads((init_from / "longctx_log.json").read_text())
+               if (init_from / "longctx_log.json").is_file() else None)
+    offset = earlier["history"][-1]["step"] if earlier and earlier["history"] else 0
+    log = {"init_from": earlier["init_from"] if earlier else str(init_from),
+           "stages": (earlier["stages"] if earlier else []) + [stage],
+           "torch_version": torch.__version__,
+           "held_out_before": earlier["held_out_before"] if earlier else before,
+           "held_out_after": after,
+           "history": (earlier["history"] if earlier else [])
+           + [{**h, "step": h["step"] + offset} for h in history]}
     (out_dir / "longctx_log.json").write_text(json.dumps(log, indent=1) + "\n")
     return log
 

@@ -44,8 +44,35 @@ def plot_history(history: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def _stage_lines(number: int, stage: dict) -> list[str]:
+    recipe, budget = stage["recipe"], stage.get("max_seconds")
+    lines = [
+        f"Stage {number}: "
+        + (f"wall-clock budget {budget / 60:.0f} min, each phase stopping at its share."
+           if budget else "no wall-clock budget."),
+        "",
+        "| phase | steps done / planned | sequence length | batch | wall time |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for index, phase in enumerate(recipe["phases"]):
+        lines.append(f"| {index + 1} | {stage['phase_steps'][index]} / {phase['steps']} | "
+                     f"{phase['seq_len']} | {phase['batch_size']} | "
+                     f"{stage['phase_seconds'][index] / 60:.1f} min |")
+    lines += [
+        "",
+        f"AdamW (0.9, 0.95; weight decay {recipe['weight_decay']} on matrices), peak LR "
+        f"{recipe['peak_lr']} after {recipe['warmup_steps']} warmup steps, cosine to "
+        f"{recipe['min_lr_ratio']}x (following the larger of step and time progress), "
+        f"gradient clipping {recipe['grad_clip']}, seed {recipe['seed']}, task rows "
+        f"{recipe['task_share']} of all. Loss: mean cross-entropy over every token plus "
+        f"{recipe['answer_weight']} x the mean over the answer tokens.",
+        "",
+    ]
+    return lines
+
+
 def render_longctx_card(name: str, log: dict, config: dict, weights: int) -> str:
-    recipe = log["recipe"]
+    recipe = log["stages"][0]["recipe"]
     base = Path(log["init_from"]).name
     lines = [
         "---", "license: other", "license_name: psf-2.0", "library_name: transformers",
@@ -72,26 +99,12 @@ def render_longctx_card(name: str, log: dict, config: dict, weights: int) -> str
         "",
         "## Training",
         "",
-        "| phase | steps done / planned | sequence length | batch | wall time |",
-        "| --- | --- | --- | --- | --- |",
     ]
-    for index, phase in enumerate(recipe["phases"]):
-        lines.append(f"| {index + 1} | {log['phase_steps'][index]} / {phase['steps']} | "
-                     f"{phase['seq_len']} | {phase['batch_size']} | "
-                     f"{log['phase_seconds'][index] / 60:.1f} min |")
-    budget = log.get("max_seconds")
+    for number, stage in enumerate(log["stages"], start=1):
+        lines += _stage_lines(number, stage)
     lines += [
-        "",
-        f"AdamW (0.9, 0.95; weight decay {recipe['weight_decay']} on matrices), peak LR "
-        f"{recipe['peak_lr']} after {recipe['warmup_steps']} warmup steps, cosine to "
-        f"{recipe['min_lr_ratio']}x (following the larger of step and time progress), "
-        f"gradient clipping {recipe['grad_clip']}, seed {recipe['seed']}. Loss: mean "
-        f"cross-entropy over every token plus {recipe['answer_weight']} x the mean over the "
-        "answer tokens. "
-        + (f"Wall-clock budget {budget / 60:.0f} min, each phase stopping at its share. "
-           if budget else "")
-        + f"Total {log['train_seconds'] / 60:.1f} min, torch {log['torch_version']}, "
-        f"{platform.machine()}.",
+        f"Total {sum(s['train_seconds'] for s in log['stages']) / 60:.1f} min, torch "
+        f"{log['torch_version']}, {platform.machine()}.",
         "",
         "![loss curve](loss_curve.png)",
         "",
@@ -124,8 +137,9 @@ def render_longctx_card(name: str, log: dict, config: dict, weights: int) -> str
     lines += [
         "",
         f"Weights: {weights / 1e6:.1f} MB (float32 safetensors). Reproduce: "
-        f"`python -m tokenmill.train longctx --init-from models/{base} --out models/{name}"
-        + (f" --max-minutes {budget / 60:.0f}" if budget else "") + "`, then "
+        f"`python -m tokenmill.train longctx --init-from models/{base} --out models/{name} "
+        "...` with each stage's phases and budget above (a later stage continues from "
+        f"models/{name}), then "
         f"`python -m tokenmill.train card --model models/{name}` and `tokenmill calibrate "
         f"sparse --model models/{name}`.",
         "",
