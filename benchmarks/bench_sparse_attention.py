@@ -12,7 +12,8 @@ milliseconds per decode step.
 
     python benchmarks/bench_sparse_attention.py [--model models/pycoder] [--texts 4]
         [--tokens 2048] [--prompt 256] [--budgets 64,128,256,512]
-        [--backends quest,static-topk] [--dense-layers 2] [--plot out.png]
+        [--backends quest,static-topk,retrieval-topp] [--top-ps 0.5,0.9,0.99]
+        [--dense-layers 2] [--plot out.png]
 """
 
 from __future__ import annotations
@@ -101,6 +102,10 @@ def main() -> int:
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--budgets", default="64,128,256,512")
     parser.add_argument("--backends", default="quest,static-topk")
+    parser.add_argument("--top-ps", default="0.5,0.9,0.99",
+                        help="retrieval-topp: its --sparse-top-p values (instead of budgets)")
+    parser.add_argument("--ceiling", type=int, default=2048,
+                        help="retrieval-topp: its --sparse-budget (most keys per head)")
     parser.add_argument("--dense-layers", type=int, default=2)
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
@@ -122,14 +127,18 @@ def main() -> int:
           f"| {dense['ms']:.2f} |")
     points = []
     for backend in args.backends.split(","):
-        for budget in (int(b) for b in args.budgets.split(",")):
+        topp = backend == "retrieval-topp"
+        for value in (args.top_ps if topp else args.budgets).split(","):
+            knobs = ({"sparse_top_p": float(value), "sparse_budget": args.ceiling} if topp
+                     else {"sparse_budget": int(value)})
             result = measure(args.model, texts, args.prompt, attention_backend=backend,
-                             sparse_budget=budget, sparse_dense_layers=args.dense_layers,
-                             sparse_min_context=0)
+                             sparse_dense_layers=args.dense_layers, sparse_min_context=0,
+                             **knobs)
             stats = compare(result, dense, texts, args.prompt)
             delta = stats["ppl"] / base["ppl"] - 1
-            points.append((backend, budget, stats["kl"]))
-            print(f"| {backend} | {budget} | {stats['ppl']:.3f} | {100 * delta:+.2f}% "
+            points.append((backend, result["active"], stats["kl"]))
+            label = f"p {value}" if topp else value
+            print(f"| {backend} | {label} | {stats['ppl']:.3f} | {100 * delta:+.2f}% "
                   f"| {stats['kl']:.2e} | {100 * stats['top1']:.2f}% "
                   f"| {result['active']:.0f} | {result['ms']:.2f} |", flush=True)
     if args.plot:
@@ -142,7 +151,7 @@ def main() -> int:
             ax.plot(xs, [k for n, _, k in points if n == backend], marker="o", label=backend)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_xlabel("budget (tokens of context per decode query)")
+        ax.set_xlabel("keys attended per decode query and KV head (mean, sparse layers)")
         ax.set_ylabel("mean KL vs dense (nats)")
         ax.set_title(f"{Path(args.model).name}: sparse decode attention, teacher-forced")
         ax.legend()
