@@ -51,11 +51,12 @@ def test_a_task_row_masks_exactly_its_answer(tiny_tokenizer_dir, tiny_train_text
     rows = RowMaker(tokenizer, tiny_train_texts, code, replace(RECIPE, task_share=1.0))
     again = RowMaker(tokenizer, tiny_train_texts, code, replace(RECIPE, task_share=1.0))
     for _ in range(6):
-        ids, mask = rows.batch(256, 2)
+        ids, mask, kinds = rows.batch(256, 2)
         assert torch.equal(ids, again.batch(256, 2)[0])  # seeded
         assert ids.shape == mask.shape == (2, 256)
-        for row_ids, row_mask in zip(ids.tolist(), mask.tolist(), strict=True):
+        for row_ids, row_mask, kind in zip(ids.tolist(), mask.tolist(), kinds, strict=True):
             answer = [t for t, m in zip(row_ids, row_mask, strict=True) if m]
+            assert bool(answer) == (kind is not None)
             if not answer:  # a `code` item with no usable file: a plain code row
                 continue
             text = tokenizer.decode(answer)
@@ -70,14 +71,18 @@ def test_without_the_answer_term_the_loss_is_transformers_own(base_model):
     model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
     ids = torch.randint(1, 400, (2, 40), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(2, 40)
-    loss, answer = weighted_loss(model, ids, mask, answer_weight=1.0)
+    loss, answer, _ = weighted_loss(model, ids, mask, answer_weight=1.0)
     torch.testing.assert_close(loss, model(input_ids=ids, labels=ids).loss)
     mask[:, 30:33] = 1
-    loss, answer = weighted_loss(model, ids, mask, answer_weight=1.0)
+    mask[1, 33] = 1
+    loss, answer, per_row = weighted_loss(model, ids, mask, answer_weight=1.0)
     logits = model(input_ids=ids).logits[:, :-1]
     ce = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
-    torch.testing.assert_close(torch.tensor(answer), ce[:, 29:32].mean())
-    torch.testing.assert_close(loss, ce.mean() + ce[:, 29:32].mean())
+    picked = torch.cat([ce[0, 29:32], ce[1, 29:33]])
+    torch.testing.assert_close(torch.tensor(answer), picked.mean())
+    torch.testing.assert_close(loss, ce.mean() + picked.mean())
+    torch.testing.assert_close(torch.tensor(per_row), torch.stack([ce[0, 29:32].mean(),
+                                                                   ce[1, 29:33].mean()]))
 
 
 def test_a_short_run_extends_the_context_and_serves_like_transformers(

@@ -103,9 +103,10 @@ class RowMaker:
         start = self.rng.randrange(0, self.code.numel() - length)
         return self.code[start:start + length].tolist()
 
-    def row(self, seq_len: int) -> tuple[list[int], list[int]]:
+    def row(self, seq_len: int) -> tuple[list[int], list[int], str | None]:
+        """(ids, answer mask, the item's kind or None for a code row)."""
         if self.rng.random() >= self.recipe.task_share:
-            return self.code_window(seq_len), [0] * seq_len
+            return self.code_window(seq_len), [0] * seq_len, None
         kind = self.rng.choice(KINDS)
         length = self.rng.randint(max(128, seq_len // 8), seq_len - 64)
         self.items += 1
@@ -114,22 +115,26 @@ class RowMaker:
                              self.count, distractors=self.rng.randint(2, 16),
                              values=self.rng.randint(2, 4))
         except ValueError:  # a `code` item with no usable file at this length
-            return self.code_window(seq_len), [0] * seq_len
+            return self.code_window(seq_len), [0] * seq_len, None
         prompt, answer = self.encode(item.prompt), self.encode(answer_text(item))
-        ids = (prompt + answer)[:seq_len - 1] + [self.eot]
-        mask = ([0] * len(prompt) + [1] * len(answer))[:seq_len - 1] + [0]
+        if len(prompt) + len(answer) >= seq_len:  # the item ran long: no cut answers
+            return self.code_window(seq_len), [0] * seq_len, None
+        ids = prompt + answer + [self.eot]
+        mask = [0] * len(prompt) + [1] * len(answer) + [0]
         fill = seq_len - len(ids)
-        return ids + self.code_window(fill), mask + [0] * fill
+        return ids + self.code_window(fill), mask + [0] * fill, kind
 
-    def batch(self, seq_len: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, seq_len: int, batch_size: int
+              ) -> tuple[torch.Tensor, torch.Tensor, list[str | None]]:
         rows = [self.row(seq_len) for _ in range(batch_size)]
         return (torch.tensor([r[0] for r in rows]),
-                torch.tensor([r[1] for r in rows], dtype=torch.float32))
+                torch.tensor([r[1] for r in rows], dtype=torch.float32), [r[2] for r in rows])
 
 
 def weighted_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
-                  answer_weight: float) -> tuple[torch.Tensor, float]:
-    """(loss to minimise, answer-token cross-entropy) of one batch."""
+                  answer_weight: float) -> tuple[torch.Tensor, float, list[float]]:
+    """(loss to minimise, answer-token cross-entropy, the same per row: nan where a row
+    has no answer) of one batch."""
     logits = model(input_ids=ids).logits[:, :-1].float()
     ce = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
                                            ids[:, 1:].reshape(-1), reduction="none")
@@ -137,7 +142,18 @@ def weighted_loss(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor,
     answers = answer_mask.sum()
     answer_ce = (ce * answer_mask).sum() / answers.clamp(min=1)
     loss = ce.mean() + (answer_weight * answer_ce if answers > 0 else 0.0)
-    return loss, float(answer_ce.detach()) if answers > 0 else math.nan
+    row_mask = mask[:, 1:]
+    per_row = ((ce.detach().view_as(row_mask) * row_mask).sum(1) / row_mask.sum(1)).tolist()
+    return loss, float(answer_ce.detach()) if answers > 0 else math.nan, per_row
+
+
+def _recent(history: list[dict], steps: int) -> str:
+    """Mean answer cross-entropy per kind over the last `steps` steps, as text."""
+    pooled: dict[str, list[float]] = {}
+    for entry in history[-steps:]:
+        for kind, ce in entry.get("answer_ce_by_kind", {}).items():
+            pooled.setdefault(kind, []).append(ce)
+    return ", ".join(f"{kind} {sum(v) / len(v):.2f}" for kind, v in sorted(pooled.items()))
 
 
 def _learning_rate(step: int, progress: float, recipe: LongContextRecipe) -> float:
@@ -189,20 +205,20 @@ def train_long_context(init_from: Path, out_dir: Path, train_texts: list[str],
             progress = max(step / recipe.total_steps, by_time)
             for group in optimizer.param_groups:
                 group["lr"] = _learning_rate(step, progress, recipe)
-            ids, mask = rows.batch(phase.seq_len, phase.batch_size)
-            loss, answer_ce = weighted_loss(model, ids, mask, recipe.answer_weight)
+            ids, mask, kinds = rows.batch(phase.seq_len, phase.batch_size)
+            loss, answer_ce, per_row = weighted_loss(model, ids, mask, recipe.answer_weight)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             step, done = step + 1, done + 1
-            history.append({"step": step, "seq_len": phase.seq_len, "loss": float(loss.detach()),
-                            "answer_ce": answer_ce})
+            by_kind = {kind: ce for kind, ce in zip(kinds, per_row, strict=True) if kind}
+            history.append({"step": step, "seq_len": phase.seq_len,
+                            "loss": float(loss.detach()), "answer_ce": answer_ce,
+                            "answer_ce_by_kind": by_kind})
             if step % log_every == 0:
-                recent = [h["answer_ce"] for h in history[-log_every:]
-                          if not math.isnan(h["answer_ce"])]
-                print(f"step {step} seq {phase.seq_len}: loss {float(loss.detach()):.3f} answer ce "
-                      f"{sum(recent) / max(1, len(recent)):.3f} "
+                print(f"step {step} seq {phase.seq_len}: loss {float(loss.detach()):.3f}, "
+                      f"answer ce {_recent(history, log_every * 3)} "
                       f"({time.perf_counter() - started:.0f} s)", flush=True)
         phase_seconds.append(time.perf_counter() - phase_started)
         phase_steps.append(done)
