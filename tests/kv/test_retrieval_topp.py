@@ -11,7 +11,10 @@ import torch
 
 from tests.engine_run import run_staggered
 from tokenmill import SamplingParams
+from tokenmill.attention.base import AttentionSpec, BatchLayout, SparseSettings
 from tokenmill.attention.block_sparse import BlockSparseAttention
+from tokenmill.attention.paged import PagedAttention
+from tokenmill.attention.registry import ATTENTION_BACKENDS
 from tokenmill.attention.retrieval import clamp_blocks, top_p_blocks
 from tokenmill.attention.sparse_calibration import (
     SparseCalibration,
@@ -22,6 +25,7 @@ from tokenmill.attention.sparse_calibration import (
 from tokenmill.calibrate import calibrate_sparse
 from tokenmill.config import AttentionConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.kv import KVCache
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [list(range(3, 90)), [5, 17, 42] * 20, list(range(100, 131))]
@@ -214,3 +218,45 @@ def test_the_in_place_route_equals_the_gathered_one(calibrated, backend, monkeyp
     gathered, engine = run(model_dir, **options)
     assert in_place == gathered
     assert engine.executor.worker.runner.backend.kind_counts == counted
+
+
+def batch_of_rows(backend, cache, lengths: list[int], generator):
+    """Metadata for one decode token per row at the given key counts, each row's blocks
+    scattered through the pool, and random queries [D, H, Dh]."""
+    block_size = backend.spec.block_size
+    order = torch.randperm(cache.data.shape[1], generator=generator).tolist()
+    tables, slots = [], []
+    for length in lengths:
+        blocks = [order.pop() for _ in range((length + block_size - 1) // block_size)]
+        tables.append(blocks)
+        slots.append(blocks[(length - 1) // block_size] * block_size + (length - 1) % block_size)
+    starts = list(range(len(lengths) + 1))
+    layout = BatchLayout(starts, [n - 1 for n in lengths], tables, len(lengths),
+                         torch.tensor(slots), block_size)
+    q = torch.randn(len(lengths), backend.spec.num_heads, backend.spec.head_dim,
+                    generator=generator)
+    return backend.build_metadata(layout), q
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_every_block_kept_is_dense_to_float32_rounding(tmp_path, in_place, monkeypatch):
+    monkeypatch.setattr(BlockSparseAttention, "in_place", in_place)
+    generator = torch.Generator().manual_seed(5)
+    calibration = SparseCalibration(2, 2, 16, 4, [[0.1, 0.2], [0.3, 0.4]],
+                                    [[[0, 3], [1, 2]]] * 2, {})
+    calibration.save(tmp_path / "c.json")
+    cache = KVCache.allocate(64, 8, 2, 16, torch.float32, torch.float32, torch.device("cpu"))
+    cache.data.copy_(torch.randn(cache.data.shape, generator=generator))
+    for name, sparse in [("retrieval-topp", SparseSettings(
+            budget=4096, dense_layers=0, min_tokens=4096, retrieval_fraction=1.0,
+            calibration=str(tmp_path / "c.json"), min_context=0)),
+            ("quest", SparseSettings(budget=4096, dense_layers=0, min_context=0))]:
+        backend = ATTENTION_BACKENDS[name](AttentionSpec(2, 4, 2, 16, 8, sparse))
+        backend.allocate_state([cache, cache])
+        keys = cache.data[0].flatten(0, 1)
+        backend.observe_keys(1, keys, torch.arange(keys.shape[0]))
+        metadata, q = batch_of_rows(backend, cache, [5, 37, 120], generator)
+        dense = PagedAttention._decode(backend, q, cache, metadata, 0.25, 1)
+        torch.testing.assert_close(backend._decode(q, cache, metadata, 0.25, 1), dense,
+                                   rtol=1e-5, atol=1e-5)
+        assert backend.active_tokens == 2 * (5 + 37 + 120)  # every key, both KV heads
