@@ -90,3 +90,22 @@ def test_pyreason_reasons_and_a_budget_ends_its_thinking_at_the_budget(pyreason)
         # answer and close it again; the budget keeps the marker out of the answer.
         assert completion.token_ids.count(end) == 1
         assert "</think>" not in completion.content
+
+
+def test_pycoder_long_matches_transformers_past_pycoders_context():
+    """pycoder-long (RoPE base 160000) agrees with transformers at 5000 tokens of
+    context, beyond pycoder's 2048, and its committed calibration fits it."""
+    from tokenmill.attention.sparse_calibration import FILENAME, SparseCalibration
+    from tokenmill.train.corpus import held_out_texts
+
+    model_dir = MODELS / "pycoder-long"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = tokenizer("\n".join(held_out_texts()[:40]))["input_ids"][:5000]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    reference = hf.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=8,
+                            pad_token_id=0)[0, len(ids):].tolist()
+    llm = LLM(str(model_dir), progress=False)
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == reference
+    assert llm.engine.max_model_len == 8192
+    SparseCalibration.load(model_dir / FILENAME).check(6, 2, 32)
