@@ -76,7 +76,6 @@ class RetrievalTopPAttention(BlockSparseAttention):
                 "which writes DIR/sparse_calibration.json")
         calibration = SparseCalibration.load(Path(sparse.calibration))
         calibration.check(spec.num_layers, spec.num_kv_heads, spec.head_dim)
-        self.calibration = calibration
         self.retrieval = calibration.retrieval_heads(sparse.dense_layers,
                                                      sparse.retrieval_fraction)
         device = kv_caches[0].data.device
@@ -89,8 +88,6 @@ class RetrievalTopPAttention(BlockSparseAttention):
                                    .view(len(heads), width))
             self.index.append(torch.zeros(slots if heads else 0, len(heads), width,
                                           device=device))
-        self.local = [torch.tensor([h not in heads for h in range(spec.num_kv_heads)],
-                                   device=device) for heads in self.retrieval]
 
     def index_bytes_per_token(self) -> int:
         """What the index adds to the cache, per token over all layers."""
