@@ -159,10 +159,7 @@ def test_past_the_grace_period_requests_end_with_an_error_they_see(server_factor
     thread.join(30)
     poster.join(30)
     assert returncode == 0, server.log()
-    # The grace, then closing: 1.7-1.9 s measured on a quiet 2-core machine (the
-    # in-flight step, aborting 16 requests, the server's exit); the bound catches a
-    # server that waits for its requests (8 x 480 tokens: tens of seconds).
-    assert elapsed < 0.5 + 2.5
+    assert elapsed < 0.5 + 1.5  # the grace, and about a second to close
     assert sink[-1] == "[DONE]"
     error = json.loads(sink[-2])["error"]
     assert error["code"] == "unavailable" and "shut down" in error["message"]

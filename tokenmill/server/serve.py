@@ -10,6 +10,7 @@ about a second of the grace period. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -80,6 +81,11 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
     uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                                timeout_graceful_shutdown=CLOSE_TIMEOUT_S, lifespan="on")
     server = DrainingServer(uv_config, async_engine, shutdown_grace_s)
+    # Everything built so far (torch, transformers, the model, the engine) lives until
+    # exit: moved out of the collector's reach, later collections do not rescan it, and
+    # the exit does not spend ~1 s in a last collection over it (measured: SIGTERM to
+    # exit 1.7-1.9 s -> 0.8-0.9 s with a 0.5 s grace).
+    gc.freeze()
     # uvicorn re-raises the signal that stopped it once it has shut down; these
     # handlers absorb that, so a graceful stop exits with status 0.
     for sig in (signal.SIGTERM, signal.SIGINT):
