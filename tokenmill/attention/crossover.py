@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import json
 import logging
-import statistics
-import time
 
 import torch
 
 from tokenmill.attention.base import BatchLayout
 from tokenmill.kv import KVCache
 from tokenmill.layers.product_table import host_key
-from tokenmill.layers.timing import CACHE
+from tokenmill.layers.timing import CACHE, median_seconds
 
 logger = logging.getLogger(__name__)
 
@@ -58,16 +56,6 @@ def _decode_metadata(backend, length: int, block_size: int, device: torch.device
     return backend.build_metadata(layout)
 
 
-def _time(run) -> float:
-    run()  # warm-up
-    times = []
-    for _ in range(REPEATS):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
-
-
 def measure_table(backend, kv_cache: KVCache, layer_index: int, dense, sparse
                   ) -> dict[int, tuple[float, float]]:
     """{length: (dense, sparse) seconds of one decode row's attention}; `dense` and
@@ -91,8 +79,10 @@ def measure_table(backend, kv_cache: KVCache, layer_index: int, dense, sparse
     while length <= longest:
         metadata = _decode_metadata(backend, length, spec.block_size, device)
         table[length] = (
-            _time(lambda m=metadata: dense(q, kv_cache, m, scale, layer_index)),
-            _time(lambda m=metadata: sparse(q, kv_cache, m, scale, layer_index)))
+            median_seconds(lambda m=metadata: dense(q, kv_cache, m, scale, layer_index),
+                           REPEATS),
+            median_seconds(lambda m=metadata: sparse(q, kv_cache, m, scale, layer_index),
+                           REPEATS))
         length *= 2
     return table
 
