@@ -67,6 +67,20 @@ def test_a_task_row_masks_exactly_its_answer(tiny_tokenizer_dir, tiny_train_text
     assert answer_text(item) == f" {item.answer}\n"
 
 
+def test_a_later_stage_with_another_seed_draws_other_items(tiny_tokenizer_dir,
+                                                          tiny_train_texts):
+    tokenizer = load_tokenizer(tiny_tokenizer_dir)
+    code = code_tokens(tokenizer, tiny_train_texts)
+    first = RowMaker(tokenizer, tiny_train_texts, code, replace(RECIPE, seed=1))
+    second = RowMaker(tokenizer, tiny_train_texts, code, replace(RECIPE, seed=2))
+    seeds = set()
+    for rows in (first, second):
+        for _ in range(5):
+            rows.items += 1
+            seeds.add(rows.item_seed)
+    assert len(seeds) == 10  # no item seed of stage 1 comes back in stage 2
+
+
 def test_without_the_answer_term_the_loss_is_transformers_own(base_model):
     model = AutoModelForCausalLM.from_pretrained(str(base_model), dtype=torch.float32)
     ids = torch.randint(1, 400, (2, 40), generator=torch.Generator().manual_seed(0))

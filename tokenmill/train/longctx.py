@@ -38,6 +38,7 @@ from tokenmill.train.packing import evaluation_windows
 from tokenmill.train.tokenizer import END_OF_TEXT, copy_tokenizer_files, load_tokenizer
 
 TRAIN_SEED_BASE = 1_000_000
+SEED_STRIDE = 100_000  # item seeds of recipe seed s: BASE + s * STRIDE + 1, 2, ...
 EVAL_MAX_TOKENS = 24  # the longest answer (three values of multi-value) fits
 
 
@@ -93,6 +94,12 @@ class RowMaker:
         self.rng = random.Random(recipe.seed)
         self.items = 0
 
+    @property
+    def item_seed(self) -> int:
+        """The current item's seed: a stage with another recipe seed draws other
+        items (other names and values), not the earlier stage's again."""
+        return TRAIN_SEED_BASE + self.recipe.seed * SEED_STRIDE + self.items
+
     def count(self, text: str) -> int:
         return len(self.backend.encode(text, add_special_tokens=False).ids)
 
@@ -111,7 +118,7 @@ class RowMaker:
         length = self.rng.randint(max(128, seq_len // 8), seq_len - 64)
         self.items += 1
         try:
-            item = make_item(kind, TRAIN_SEED_BASE + self.items, self.texts, length,
+            item = make_item(kind, self.item_seed, self.texts, length,
                              self.count, distractors=self.rng.randint(2, 16),
                              values=self.rng.randint(2, 4))
         except ValueError:  # a `code` item with no usable file at this length
