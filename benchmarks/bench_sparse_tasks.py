@@ -46,7 +46,8 @@ def engine_options(method: str, args: argparse.Namespace) -> dict:
                "sparse_min_context": args.min_context}
     if backend == "retrieval-topp":
         options.update(sparse_top_p=float(value), sparse_budget=args.ceiling,
-                       sparse_retrieval_fraction=args.retrieval_fraction)
+                       sparse_retrieval_fraction=args.retrieval_fraction,
+                       sparse_calibration=args.calibration)
     else:
         options["sparse_budget"] = int(value)
     return options
@@ -113,6 +114,8 @@ def main() -> int:
     parser.add_argument("--ceiling", type=int, default=2048,
                         help="retrieval-topp's --sparse-budget (most tokens a head keeps)")
     parser.add_argument("--retrieval-fraction", type=float, default=0.15)
+    parser.add_argument("--calibration", default=None,
+                        help="retrieval-topp's --sparse-calibration (default: the model's)")
     parser.add_argument("--min-context", type=int, default=0,
                         help="--sparse-min-context (0: sparse at every length, as measured "
                              "here; the engine's default measures a crossover)")

@@ -6,8 +6,11 @@ budget composes with chunked prefill, prefix caching, preemption and an int8 cac
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tests.engine_run import run_staggered
 from tokenmill import SamplingParams
@@ -22,11 +25,12 @@ from tokenmill.attention.sparse_calibration import (
     pair_strength,
     strongest_pairs,
 )
-from tokenmill.calibrate import calibrate_sparse
+from tokenmill.calibrate import calibrate_sparse, needle_probes
 from tokenmill.config import AttentionConfig, EngineConfig, ModelConfig, ParallelConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.kv import KVCache
 
+PYCODER = Path(__file__).resolve().parents[2] / "models" / "pycoder"
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 PROMPTS = [list(range(3, 90)), [5, 17, 42] * 20, list(range(100, 131))]
 
@@ -92,15 +96,30 @@ def test_the_calibration_scores_copying_and_picks_strong_pairs():
 
 def test_calibration_is_deterministic_for_a_seed(model_factory):
     model_dir = model_factory("llama")
-    first = calibrate_sparse(model_dir, seed=3, sequences=2, length=96, copy_tokens=16,
-                             index_dims=4)
-    again = calibrate_sparse(model_dir, seed=3, sequences=2, length=96, copy_tokens=16,
-                             index_dims=4)
-    other = calibrate_sparse(model_dir, seed=4, sequences=2, length=96, copy_tokens=16,
-                             index_dims=4)
+    options = {"sequences": 2, "length": 96, "copy_tokens": 16, "index_dims": 4,
+               "text": "random"}
+    first = calibrate_sparse(model_dir, seed=3, **options)
+    again = calibrate_sparse(model_dir, seed=3, **options)
+    other = calibrate_sparse(model_dir, seed=4, **options)
     assert first == again
     assert first.retrieval_score != other.retrieval_score
     assert all(len(pairs) == 2 for layer in first.index_pairs for pairs in layer)
+
+
+def test_needle_probes_score_the_answer_on_the_fact_line():
+    tokenizer = AutoTokenizer.from_pretrained(str(PYCODER))
+    filler = ["\n".join(f"value_{i} = compute({i * 7}, 'x')" for i in range(400))]
+    for probe in needle_probes(tokenizer, filler, 4, 300, seed=0):
+        text = tokenizer.decode(probe.ids)
+        asked = text.rsplit("assert KEY_", 1)[1]
+        name, answer = asked.split(" == ")
+        fact = tokenizer.decode([probe.ids[i] for i in probe.keys])
+        assert probe.keys == list(range(probe.keys[0], probe.keys[-1] + 1))  # one line
+        assert fact.strip() == f"KEY_{name} = {answer}"
+        # The positions that predict the answer: "==" and the answer's tokens but its last.
+        assert tokenizer.decode(probe.ids[probe.queries[0]]).strip() == "=="
+        predicted = tokenizer.decode([probe.ids[i + 1] for i in probe.queries])
+        assert predicted.strip() == answer and probe.queries[-1] == len(probe.ids) - 2
 
 
 def test_retrieval_heads_are_the_best_scored_of_the_sparse_layers():
@@ -117,7 +136,7 @@ def calibrated(model_factory, tmp_path_factory):
     model_dir = model_factory("llama")
     path = tmp_path_factory.mktemp("calibration") / "sparse_calibration.json"
     calibrate_sparse(model_dir, seed=0, sequences=1, length=96, copy_tokens=16,
-                     index_dims=4).save(path)
+                     index_dims=4, text="random").save(path)
     return model_dir, str(path)
 
 

@@ -35,7 +35,8 @@ def test_quest_server_reports_keys_per_query(server_factory):
 
 def test_retrieval_topp_server_reports_each_head_kind(server_factory, llama_dir, tmp_path):
     path = tmp_path / "calibration.json"
-    calibrate_sparse(llama_dir, sequences=1, length=96, copy_tokens=16, index_dims=4).save(path)
+    calibrate_sparse(llama_dir, sequences=1, length=96, copy_tokens=16, index_dims=4,
+                     text="random").save(path)
     text = complete(server_factory(
         "--attention-backend", "retrieval-topp", "--sparse-calibration", str(path),
         "--sparse-dense-layers", "0", "--sparse-sink-tokens", "4", "--sparse-window", "8",

@@ -2,16 +2,21 @@
 few key dimensions its index scores blocks with (`tokenmill calibrate sparse` writes
 it next to the model as sparse_calibration.json).
 
-Retrieval score (needle-copy attention mass, as in the retrieval-head literature):
-on sequences [lead][X][filler][X] (the lead keeps attention sinks out of the first
-copy), a head that retrieves attends, from the second copy of
-X, to the first. Per query head h
+Retrieval score (attention mass on what is looked up, as in the retrieval-head
+literature): the calibration runs probe sequences where some query positions must
+look up some key positions, and per query head h
 
-    r_h = mean over queries i in the second copy (its first token aside) of
-          sum over keys j in the first copy of A_h[i, j],
+    r_h = mean over probe queries i of sum over probe keys j of A_h[i, j];
 
-and a KV head takes the largest r_h of the query heads that share it (the cache, and
-so the choice, is per KV head).
+a KV head takes the largest r_h of the query heads that share it (the cache, and so
+the choice, is per KV head). Probes (tokenmill/calibrate.py): `needle` (the default),
+long-context task items with their answer appended, queries the positions that
+predict the answer, keys the line holding the fact asked for; or `random`,
+[lead][X][filler][X] of random ids, queries the second copy of X (its first token
+aside), keys the first (the lead keeps attention sinks out). On pycoder-long the two
+pick disjoint heads, and only the needle's keep dense accuracy on the lookup tasks
+(docs/BENCHMARKS.md): a head that copies random text is not the head that finds a
+fact.
 
 Index: the cache holds keys after RoPE, and a fixed projection applied after RoPE
 would break relative position; a subset of whole rotary pairs does not (each pair's
@@ -83,11 +88,18 @@ class SparseCalibration:
         return [sorted(heads) for heads in chosen]
 
 
+def attention_mass(attention: torch.Tensor, queries: list[int], keys: list[int]
+                   ) -> torch.Tensor:
+    """attention [H, L, L] (rows are queries) -> [H]: the mean over the query
+    positions of their attention to the key positions."""
+    rows = attention[:, queries][:, :, keys]
+    return rows.sum(-1).mean(-1)
+
+
 def copy_attention_mass(attention: torch.Tensor, first: range, second: range) -> torch.Tensor:
-    """attention [H, L, L] (rows are queries) -> [H]: the mean over queries of the
-    second copy, its first token aside, of their attention to the first copy."""
-    queries = attention[:, second.start + 1:second.stop, first.start:first.stop]
-    return queries.sum(-1).mean(-1)
+    """attention [H, L, L] -> [H]: the mean over queries of the second copy, its first
+    token aside, of their attention to the first copy."""
+    return attention_mass(attention, list(second)[1:], list(first))
 
 
 def pair_strength(q: torch.Tensor, k: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
