@@ -10,11 +10,14 @@ across items is the budget adapting (or not) to the task.
 
 Methods: `dense` (the default backend, paged-native), `paged` (the PyTorch paged
 path the sparse backends extend: their prefill and dense layers), `<backend>@<budget>` for quest / static-topk
-(tokens per query), `retrieval-topp@<p>` (--sparse-top-p; budget ceiling --ceiling).
+(tokens per query), `retrieval-topp@<p>` (--sparse-top-p; budget ceiling --ceiling),
+`prune@<keep>` (dense attention with --prefill-pruning KEEP, experimental). Every
+method prefills a prompt in one step (--max-num-batched-tokens above the longest).
 
---speed adds decode tokens/s at batch 1 and 8 per context length: requests of
+--speed adds decode tokens/s at batch 1 and 8 per context length (requests of
 --lengths tokens of held-out code are prefilled, then --decode-steps decode steps are
-timed (every backend in the same run, interleaved per length).
+timed) and the prefill time of one request of each length (every method in the same
+run, interleaved per length).
 
     python benchmarks/bench_sparse_tasks.py [--model models/pycoder-long]
         [--lengths 2048,4096,8192] [--per-kind 10] [--methods dense,static-topk@512,...]
@@ -39,11 +42,17 @@ DEFAULT_METHODS = ("dense,static-topk@256,static-topk@1024,quest@256,quest@1024,
 
 
 def engine_options(method: str, args: argparse.Namespace) -> dict:
+    # Every method prefills a prompt in one step (prefill pruning needs it; the others
+    # get the same step size, so their prefill times compare).
+    step = {"max_num_batched_tokens": max(int(n) for n in args.lengths.split(",")) + 64}
     if method in ("dense", "paged"):  # the default backend, and the path sparse ones extend
-        return {"attention_backend": "paged-native" if method == "dense" else "paged"}
+        return {"attention_backend": "paged-native" if method == "dense" else "paged", **step}
     backend, _, value = method.partition("@")
+    if backend == "prune":  # --prefill-pruning KEEP on the dense backend
+        return {"prefill_pruning": float(value), "prefill_pruning_layer": args.pruning_layer,
+                "prefill_pruning_min_tokens": 512, "enable_prefix_caching": False, **step}
     options = {"attention_backend": backend, "sparse_dense_layers": args.dense_layers,
-               "sparse_min_context": args.min_context}
+               "sparse_min_context": args.min_context, **step}
     if backend == "retrieval-topp":
         options.update(sparse_top_p=float(value), sparse_budget=args.ceiling,
                        sparse_retrieval_fraction=args.retrieval_fraction,
@@ -119,6 +128,8 @@ def main() -> int:
     parser.add_argument("--min-context", type=int, default=0,
                         help="--sparse-min-context (0: sparse at every length, as measured "
                              "here; the engine's default measures a crossover)")
+    parser.add_argument("--pruning-layer", type=int, default=None,
+                        help="prune@KEEP's --prefill-pruning-layer (default: the engine's)")
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--no-tasks", action="store_true")
@@ -181,8 +192,30 @@ def print_speed(args, methods, lengths, texts) -> None:
             cells = [f"{s:.1f}" + (f" ({s / dense:.2f}x)" if dense and m != "dense" else "")
                      for m, s in speeds.items()]
             print(f"| {length} | {batch} | " + " | ".join(cells) + " |", flush=True)
+    print("\nprefill of one request (time to first token, s; median of 3)")
+    print("| context | " + " | ".join(methods) + " |")
+    print("|" + " --- |" * (1 + len(methods)))
+    for length in lengths:
+        times = {m: prefill_seconds(llms[m], ids[:length]) for m in methods}
+        dense = times.get("dense")
+        cells = [f"{t:.2f}" + (f" ({dense / t:.2f}x)" if dense and m != "dense" else "")
+                 for m, t in times.items()]
+        print(f"| {length} | " + " | ".join(cells) + " |", flush=True)
     for llm in llms.values():
         llm.engine.shutdown()
+
+
+def prefill_seconds(llm: LLM, prompt: list[int]) -> float:
+    """Median wall time of a one-token generation of `prompt` (after a warm-up)."""
+    params = SamplingParams(temperature=0, max_tokens=1)
+    times = []
+    for repeat in range(4):
+        # A distinct first token each time: no prefix-cache hit.
+        ids = [prompt[0] + repeat + 1] + prompt[1:]
+        started = time.perf_counter()
+        llm.generate([ids], params)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[1:])
 
 
 def plot(table, methods, kinds, lengths, path: Path) -> None:

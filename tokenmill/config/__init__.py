@@ -290,6 +290,21 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
 
+    def _check_prefill_pruning(self) -> None:
+        """Prefill pruning drops K/V blocks in the upper layers: nothing that shares
+        blocks, brings rows of its own or splits the layers may run with it."""
+        _require(not self.cache.enable_prefix_caching, "enable_prefix_caching",
+                 "False with prefill_pruning (a cached block's upper layers would lack "
+                 "the dropped tokens; pass --no-enable-prefix-caching)",
+                 self.cache.enable_prefix_caching)
+        _require(self.parallel.world_size == 1 and self.spec.speculative_method is None
+                 and self.model.early_exit_layer is None, "prefill_pruning",
+                 "None with parallelism, speculative decoding or early exit",
+                 self.attention.prefill_pruning)
+        _require(self.attention.attention_backend not in SPARSE_BACKENDS,
+                 "attention_backend", f"not a sparse backend {SPARSE_BACKENDS} with "
+                 "prefill_pruning", self.attention.attention_backend)
+
     def __post_init__(self) -> None:
         if self.model.early_exit_layer is not None:
             _require(self.parallel.world_size == 1 and self.spec.speculative_method is None,
@@ -299,6 +314,8 @@ class EngineConfig:
                      "attention_backend", f"not a sparse backend {SPARSE_BACKENDS} with "
                      "early_exit_layer (their key bounds and indexes are per layer)",
                      self.attention.attention_backend)
+        if self.attention.prefill_pruning is not None:
+            self._check_prefill_pruning()
         if self.parallel.tensor_parallel_size > 1:
             # Its calibration names global KV heads; a rank holds a slice of them.
             _require(self.attention.attention_backend != "retrieval-topp",

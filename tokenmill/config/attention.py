@@ -43,6 +43,14 @@ class AttentionConfig:
     # Sparse backends: decode rows with a shorter context run dense attention. None:
     # the crossover measured on this machine at start-up (cached); 0: always sparse.
     sparse_min_context: int | None = None
+    # Prefill pruning (LazyLLM-style, experimental; runner/prefill_pruning.py): the
+    # share of a long prompt's KV blocks that layers >= prefill_pruning_layer compute
+    # and keep, chosen by the last prompt token's attention (None: off).
+    prefill_pruning: float | None = None
+    # The first layer that sees only the kept blocks (None: a third of the layers).
+    prefill_pruning_layer: int | None = None
+    # Prompts shorter than this are not pruned.
+    prefill_pruning_min_tokens: int = 1024
 
     def __post_init__(self) -> None:
         _require(isinstance(self.attention_backend, str) and bool(self.attention_backend),
@@ -64,3 +72,15 @@ class AttentionConfig:
                  or (isinstance(self.sparse_min_context, int) and self.sparse_min_context >= 0),
                  "sparse_min_context", "None (measured) or a number of tokens >= 0",
                  self.sparse_min_context)
+        _require(self.prefill_pruning is None
+                 or (isinstance(self.prefill_pruning, (int, float))
+                     and 0 < self.prefill_pruning <= 1),
+                 "prefill_pruning", "None (off) or a share of blocks in (0, 1]",
+                 self.prefill_pruning)
+        _require(self.prefill_pruning_layer is None
+                 or (isinstance(self.prefill_pruning_layer, int)
+                     and self.prefill_pruning_layer >= 1),
+                 "prefill_pruning_layer", "None or a layer >= 1", self.prefill_pruning_layer)
+        _require(isinstance(self.prefill_pruning_min_tokens, int)
+                 and self.prefill_pruning_min_tokens >= 1, "prefill_pruning_min_tokens",
+                 "a number of tokens >= 1", self.prefill_pruning_min_tokens)

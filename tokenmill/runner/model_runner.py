@@ -10,7 +10,8 @@ their own (a draft model, an EAGLE head).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +29,9 @@ from tokenmill.kv.quant import storage_dtype
 from tokenmill.layers.native import prepare_native_row_ops
 from tokenmill.model.arch import ArchConfig
 from tokenmill.runner.early_exit import EarlyExit, forward_with_exits
+from tokenmill.runner.prefill_pruning import PrefillPruning, forward_with_pruning
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +42,11 @@ class PreparedBatch:
     positions: torch.Tensor  # [T]
     layout: BatchLayout
     attention: AttentionContext
+    request_ids: list[str] = field(default_factory=list)  # in batch order
+    # Prefill pruning: batch slots of whole prompts to prune this step, and whether
+    # any request of the batch runs with dropped blocks (from this step or before).
+    prune: list[int] = field(default_factory=list)
+    pruned: bool = False
 
     @property
     def query_start(self) -> list[int]:
@@ -49,12 +58,17 @@ class ModelRunner:
                  block_size: int, device: torch.device, dtype: torch.dtype,
                  kv_cache_dtype: str = "auto", attention_backend: str = "paged-native",
                  early_exit: EarlyExit | None = None,
-                 sparse: SparseSettings | None = None) -> None:
+                 sparse: SparseSettings | None = None,
+                 pruning: PrefillPruning | None = None) -> None:
         self.model = model
         if early_exit is not None and not 1 <= early_exit.layer < arch.num_layers:
             raise ValueError(f"early_exit_layer must be in [1, {arch.num_layers - 1}] for "
                              f"this {arch.num_layers}-layer model, got {early_exit.layer}")
         self.early_exit = early_exit
+        if pruning is not None and not 1 <= pruning.layer < arch.num_layers:
+            raise ValueError(f"prefill_pruning_layer must be in [1, {arch.num_layers - 1}] "
+                             f"for this {arch.num_layers}-layer model, got {pruning.layer}")
+        self.pruning = pruning
         self.arch = arch
         self.block_size = block_size
         self.device = device
@@ -95,9 +109,31 @@ class ModelRunner:
             block_size=size)
         attention = AttentionContext(self.backend, self.backend.build_metadata(layout),
                                      self.kv_caches)
-        return PreparedBatch(order, torch.tensor(tokens, dtype=torch.int64, device=device),
-                             torch.tensor(positions, dtype=torch.int64, device=device),
-                             layout, attention)
+        batch = PreparedBatch(order, torch.tensor(tokens, dtype=torch.int64, device=device),
+                              torch.tensor(positions, dtype=torch.int64, device=device),
+                              layout, attention, [requests[i].request_id for i in order])
+        if self.pruning is not None:
+            self._plan_pruning(batch, [requests[i] for i in order])
+        return batch
+
+    def _plan_pruning(self, batch: PreparedBatch, requests: list[ScheduledRequest]) -> None:
+        pruning = self.pruning
+        for slot, request in enumerate(requests):
+            if request.num_computed_tokens == 0:  # a prompt (again, after a preemption)
+                pruning.dropped.pop(request.request_id, None)
+                if (request.sampling is not None and request.num_spec_tokens == 0
+                        and request.num_new_tokens >= max(pruning.min_tokens,
+                                                          2 * self.block_size)):
+                    batch.prune.append(slot)
+            elif (not request.is_decode and request.sampling is not None
+                  and request.num_computed_tokens + request.num_new_tokens
+                  >= pruning.min_tokens and not pruning.warned_chunked):  # the last chunk of a chunked prompt
+                pruning.warned_chunked = True
+                logger.warning("prefill pruning: a prompt was prefilled in chunks and is "
+                               "not pruned (pruning needs the whole prompt in one step: "
+                               "raise --max-num-batched-tokens above the prompt length)")
+        batch.pruned = bool(batch.prune) or any(r.request_id in pruning.dropped
+                                                for r in requests)
 
     def forward(self, batch: PreparedBatch, hidden: torch.Tensor | None = None
                 ) -> torch.Tensor:
@@ -109,6 +145,10 @@ class ModelRunner:
                     and len(batch.token_ids) == len(batch.order)):  # plain decode tokens
                 return forward_with_exits(self.model, batch.token_ids, batch.positions,
                                           batch.attention, self.early_exit)
+            if batch.pruned:
+                return forward_with_pruning(self.model, batch.token_ids, batch.positions,
+                                            batch.attention, layout, batch.request_ids,
+                                            batch.prune, self.pruning)
             return self.model(batch.token_ids, batch.positions, batch.attention)
         return self.model(batch.token_ids, batch.positions, batch.attention, hidden)
 

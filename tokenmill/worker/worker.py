@@ -39,6 +39,7 @@ from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import load_model, read_config, resolve_device, resolve_dtype
 from tokenmill.runner.early_exit import EarlyExit
 from tokenmill.runner.model_runner import ModelRunner, PreparedBatch
+from tokenmill.runner.prefill_pruning import PrefillPruning
 from tokenmill.runner.sampling import StepSampler
 from tokenmill.speculative.factory import build_proposer, proposer_context, proposer_footprint
 from tokenmill.worker.calibration import calibrate
@@ -114,7 +115,8 @@ class Worker:
                                   config.cache.block_size, loaded.device, loaded.dtype,
                                   config.cache.kv_cache_dtype,
                                   config.attention.attention_backend,
-                                  early_exit(config), sparse_settings(config))
+                                  early_exit(config), sparse_settings(config),
+                                  prefill_pruning(config, loaded.arch.num_layers))
         self.sampler = StepSampler(loaded.model, seed=mcfg.seed)
         if context is not None:
             context.target, context.num_blocks = loaded, self.kv_plan.num_blocks
@@ -192,6 +194,8 @@ class Worker:
         clock = PhaseClock(self.tracer)
         moves = 0
         with self.products.step_context():
+            if self.runner.pruning is not None:
+                self.runner.pruning.release(step.preempted_request_ids)
             for request_id in step.preempted_request_ids:
                 self._draft_probs.pop(request_id, None)
                 if self.proposer is not None:
@@ -286,6 +290,8 @@ class Worker:
 
     def release(self, request_ids: list[str]) -> None:
         """These requests finished: drop their proposer state and pending drafts."""
+        if self.runner.pruning is not None:
+            self.runner.pruning.release(request_ids)
         for request_id in request_ids:
             self._draft_probs.pop(request_id, None)
             if self.proposer is not None:
@@ -297,6 +303,8 @@ class Worker:
             self.proposer.check_integrity(idle)
         if idle:
             assert not self._draft_probs, "draft distributions of finished requests"
+            assert self.runner.pruning is None or not self.runner.pruning.dropped, \
+                "dropped prefill blocks of finished requests"
 
     @property
     def needs_hidden_states(self) -> bool:
@@ -317,6 +325,15 @@ def sparse_settings(config: EngineConfig) -> SparseSettings:
                           attention.sparse_sink_tokens, attention.sparse_window,
                           attention.sparse_retrieval_fraction, calibration,
                           attention.sparse_min_context)
+
+
+def prefill_pruning(config: EngineConfig, num_layers: int) -> PrefillPruning | None:
+    attention = config.attention
+    if attention.prefill_pruning is None:
+        return None
+    layer = attention.prefill_pruning_layer
+    return PrefillPruning(max(1, num_layers // 3) if layer is None else layer,
+                          attention.prefill_pruning, attention.prefill_pruning_min_tokens)
 
 
 def early_exit(config: EngineConfig) -> EarlyExit | None:
