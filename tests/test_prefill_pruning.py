@@ -114,3 +114,19 @@ def test_the_pruning_layer_must_exist(llama_dir):
     with pytest.raises(ValueError, match="prefill_pruning_layer"):
         LLM(str(llama_dir), progress=False, prefill_pruning=0.5,
             **{**PRUNING, "prefill_pruning_layer": 2})
+
+
+def test_preempted_prompts_are_pruned_afresh_and_nothing_leaks(llama_dir):
+    # Two prompts of 16 blocks fill 36 blocks but for 4; growing by 6 each, one is
+    # preempted after its prompt was pruned.
+    prompts = [LONG, LONG[3:], LONG[5:]]
+    llm = LLM(str(llama_dir), progress=False, **PRUNING, prefill_pruning=0.5, num_blocks=36,
+              kv_cache_dtype="int8", max_num_batched_tokens=128)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    engine, pruning = llm.engine, llm.engine.executor.worker.runner.pruning
+    assert all(len(t) == params.max_tokens for t in tokens)
+    assert engine.scheduler.num_preemptions > 0
+    assert pruning.prompts > len(prompts)  # a recomputed prompt is pruned again
+    assert not pruning.dropped
+    engine.executor.check_integrity(idle=True)
