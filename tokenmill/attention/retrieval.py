@@ -29,6 +29,7 @@ that fits the sinks and the window is dense attention. The first
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
@@ -37,6 +38,16 @@ import torch
 from tokenmill.attention.block_sparse import BlockSparseAttention
 from tokenmill.attention.sparse_calibration import SparseCalibration
 from tokenmill.kv import KVCache
+from tokenmill.layers.native import build_extension
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "block_sparse_decode.cpp"
+
+
+@functools.cache  # (no arguments: a lookup per layer costs nothing)
+def native_block_sparse():
+    """The compiled selection and list-attention kernels, or None where they cannot be
+    built."""
+    return build_extension("block_sparse_decode", SOURCE, ("-ffast-math",))
 
 
 def top_p_blocks(mass: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -66,6 +77,8 @@ def clamp_blocks(chosen: torch.Tensor, forced: torch.Tensor, priority: torch.Ten
 
 class RetrievalTopPAttention(BlockSparseAttention):
     name = "retrieval-topp"
+    # False: the PyTorch selection even where the native one runs (the tests compare).
+    native = True
 
     def allocate_sparse_state(self, kv_caches: list[KVCache]) -> None:
         spec, sparse = self.spec, self.spec.sparse
@@ -88,6 +101,18 @@ class RetrievalTopPAttention(BlockSparseAttention):
                                    .view(len(heads), width))
             self.index.append(torch.zeros(slots if heads else 0, len(heads), width,
                                           device=device))
+        self.retrieval_ids = [torch.tensor(heads, dtype=torch.int64, device=device)
+                              for heads in self.retrieval]
+        cache = kv_caches[0] if kv_caches else None
+        self.kernel = None
+        if (self.native and self.in_place and cache is not None and not cache.quantized
+                and cache.data.device.type == "cpu" and cache.data.dtype == torch.float32):
+            self.kernel = native_block_sparse()  # built before the self-check times it
+
+    @property
+    def crossover_tag(self) -> str:
+        """What the self-check's cached table depends on beyond the knobs."""
+        return "native" if self.kernel is not None else "torch"
 
     def index_bytes_per_token(self) -> int:
         """What the index adds to the cache, per token over all layers."""
@@ -106,6 +131,28 @@ class RetrievalTopPAttention(BlockSparseAttention):
         dims = self.index_dims[layer_index]  # [R, r]
         picked = k[:, heads].float().gather(2, dims[None].expand(k.shape[0], -1, -1))
         self.index[layer_index][slot_mapping] = picked
+
+    def _sparse(self, q: torch.Tensor, kv_cache: KVCache, metadata, scale: float,
+                layer_index: int) -> torch.Tensor:
+        kernel = self.kernel
+        if (kernel is None or q.dtype != torch.float32 or kv_cache.quantized
+                or kv_cache.data.dtype != torch.float32):
+            return super()._sparse(q, kv_cache, metadata, scale, layer_index)
+        spec, sparse = self.spec, self.spec.sparse
+        block_size, kv_heads, head_dim = spec.block_size, spec.num_kv_heads, spec.head_dim
+        tables, lengths = metadata.decode_block_tables, metadata.decode_lengths
+        rows = tables.shape[0]
+        q = q.contiguous()
+        lists, counts = kernel.topp_select(
+            q.view(rows, kv_heads, -1, head_dim), tables, lengths, self.index[layer_index],
+            self.index_dims[layer_index], self.retrieval_ids[layer_index], block_size,
+            math.ceil(sparse.sink_tokens / block_size), sparse.window, sparse.top_p,
+            math.ceil(sparse.min_tokens / block_size), max(1, sparse.budget // block_size),
+            1 / math.sqrt(head_dim))
+        partial = lengths - (lengths - 1) // block_size * block_size  # the last block's
+        self._count(layer_index, counts * block_size - (block_size - partial)[:, None])
+        return kernel.paged_decode_lists(q, kv_cache.data[0], kv_cache.data[1], tables,
+                                         lengths, lists, counts, scale)
 
     def _forced(self, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sink and window blocks [D, W], valid blocks [D, W])."""
