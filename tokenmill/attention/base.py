@@ -37,6 +37,7 @@ class SparseSettings:
     retrieval_fraction: float = 0.15
     calibration: str | None = None  # path of a sparse_calibration.json
     min_context: int | None = None  # None: measured on this machine (crossover.py)
+    prefill: bool = False  # prefill chunks on a long context attend sparsely too
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ the tokens of those blocks, in context order. Two routes compute it:
   (dequantised if the cache is quantized) and one masked SDPA runs over them.
 
 The two agree to float32 rounding. The first `sparse.dense_layers` layers, prefill
-chunks, speculative rows and rows whose context is shorter than the crossover
+chunks (unless --sparse-prefill: sparse_prefill.py), speculative rows and rows whose
+context is shorter than the crossover
 (`--sparse-min-context`, measured on this machine by default: crossover.py) take the
 dense path of paged-native (its kernel, or the paged path where it does not apply).
 
@@ -35,8 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.attention.crossover import crossover_for
-from tokenmill.attention.paged import PagedMetadata
+from tokenmill.attention.paged import PagedMetadata, PrefillChunk
 from tokenmill.attention.paged_native import PagedNativeAttention, native_decode
+from tokenmill.attention.sparse_prefill import chunk_attention, worth_it
 from tokenmill.kv import KVCache
 from tokenmill.kv.quant import dequantize
 
@@ -77,6 +79,8 @@ class BlockSparseAttention(PagedNativeAttention):
         super().allocate_state(kv_caches)  # the kernel, built at start-up
         self.active_tokens = 0
         self.queries = 0
+        self.prefill_counts = [0, 0]  # keys attended and queries (x KV heads), sparse prefill
+        self._layer = 0
         self.kind_counts: dict[str, list[int]] = {}
         self.layer_counts: dict[tuple[int, str], list[int]] = {}
         self._taken: dict[tuple[int, str], tuple[int, int]] = {}
@@ -135,7 +139,16 @@ class BlockSparseAttention(PagedNativeAttention):
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
         self.observe_keys(layer_index, k, metadata.slot_mapping)
+        self._layer = layer_index  # for _prefill, which the paged path calls without it
         return super().forward(layer_index, q, k, v, kv_cache, metadata, scale)
+
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 chunk: PrefillChunk, kv_cache: KVCache, scale: float) -> torch.Tensor:
+        sparse = self.spec.sparse
+        if (sparse.prefill and self._layer >= sparse.dense_layers and chunk.context_len > 0
+                and worth_it(chunk, sparse)):
+            return chunk_attention(self, self._layer, q, chunk, kv_cache, scale)
+        return super()._prefill(q, k, v, chunk, kv_cache, scale)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
                 scale: float, layer_index: int) -> torch.Tensor:

@@ -43,6 +43,10 @@ class AttentionConfig:
     # Sparse backends: decode rows with a shorter context run dense attention. None:
     # the crossover measured on this machine at start-up (cached); 0: always sparse.
     sparse_min_context: int | None = None
+    # Sparse backends: prefill chunks whose cached context is longer than budget +
+    # window + sinks attend to the blocks the decode rule keeps for a few of their
+    # queries, and to themselves (attention/sparse_prefill.py). Off: prefill is dense.
+    sparse_prefill: bool = False
     # Prefill pruning (LazyLLM-style, experimental; runner/prefill_pruning.py): the
     # share of a long prompt's KV blocks that layers >= prefill_pruning_layer compute
     # and keep, chosen by the last prompt token's attention (None: off).

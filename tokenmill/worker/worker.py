@@ -324,7 +324,7 @@ def sparse_settings(config: EngineConfig) -> SparseSettings:
                           attention.sparse_top_p, attention.sparse_min_tokens,
                           attention.sparse_sink_tokens, attention.sparse_window,
                           attention.sparse_retrieval_fraction, calibration,
-                          attention.sparse_min_context)
+                          attention.sparse_min_context, attention.sparse_prefill)
 
 
 def prefill_pruning(config: EngineConfig, num_layers: int) -> PrefillPruning | None:
