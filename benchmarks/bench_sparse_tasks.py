@@ -11,8 +11,10 @@ across items is the budget adapting (or not) to the task.
 Methods: `dense` (the default backend, paged-native), `paged` (the PyTorch paged
 path the sparse backends extend: their prefill and dense layers), `<backend>@<budget>` for quest / static-topk
 (tokens per query), `retrieval-topp@<p>` (--sparse-top-p; budget ceiling --ceiling),
-`prune@<keep>` (dense attention with --prefill-pruning KEEP, experimental). Every
-method prefills a prompt in one step (--max-num-batched-tokens above the longest).
+`prune@<keep>` (dense attention with --prefill-pruning KEEP, experimental); a sparse
+method with `+prefill` runs --sparse-prefill too (e.g. quest@1024+prefill). Every
+method prefills a prompt in one step (--max-num-batched-tokens above the longest), or
+in --chunk chunks (sparse prefill works on chunks with a cached context).
 
 --speed adds decode tokens/s at batch 1 and 8 per context length (requests of
 --lengths tokens of held-out code are prefilled, then --decode-steps decode steps are
@@ -43,16 +45,21 @@ DEFAULT_METHODS = ("dense,static-topk@256,static-topk@1024,quest@256,quest@1024,
 
 def engine_options(method: str, args: argparse.Namespace) -> dict:
     # Every method prefills a prompt in one step (prefill pruning needs it; the others
-    # get the same step size, so their prefill times compare).
-    step = {"max_num_batched_tokens": max(int(n) for n in args.lengths.split(",")) + 64}
+    # get the same step size, so their prefill times compare), or in --chunk chunks
+    # (sparse prefill needs a cached context).
+    step = {"max_num_batched_tokens": args.chunk
+            or max(int(n) for n in args.lengths.split(",")) + 64}
     if method in ("dense", "paged"):  # the default backend, and the path sparse ones extend
         return {"attention_backend": "paged-native" if method == "dense" else "paged", **step}
+    method, plus, extra = method.partition("+")
+    if plus and extra != "prefill":
+        raise SystemExit(f"unknown method suffix +{extra} (only +prefill)")
     backend, _, value = method.partition("@")
     if backend == "prune":  # --prefill-pruning KEEP on the dense backend
         return {"prefill_pruning": float(value), "prefill_pruning_layer": args.pruning_layer,
                 "prefill_pruning_min_tokens": 512, "enable_prefix_caching": False, **step}
     options = {"attention_backend": backend, "sparse_dense_layers": args.dense_layers,
-               "sparse_min_context": args.min_context, **step}
+               "sparse_min_context": args.min_context, "sparse_prefill": bool(plus), **step}
     if backend == "retrieval-topp":
         options.update(sparse_top_p=float(value), sparse_budget=args.ceiling,
                        sparse_retrieval_fraction=args.retrieval_fraction,
@@ -128,6 +135,9 @@ def main() -> int:
     parser.add_argument("--min-context", type=int, default=0,
                         help="--sparse-min-context (0: sparse at every length, as measured "
                              "here; the engine's default measures a crossover)")
+    parser.add_argument("--chunk", type=int, default=None,
+                        help="--max-num-batched-tokens for every method (default: above the "
+                             "longest prompt, so prompts prefill whole)")
     parser.add_argument("--pruning-layer", type=int, default=None,
                         help="prune@KEEP's --prefill-pruning-layer (default: the engine's)")
     parser.add_argument("--speed", action="store_true")
