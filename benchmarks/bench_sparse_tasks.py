@@ -70,8 +70,13 @@ def engine_options(method: str, args: argparse.Namespace) -> dict:
 
 
 def counts(llm: LLM) -> dict[str, list[int]]:
+    """{head kind (or "prefill"): [keys attended, queries]} so far."""
     backend = llm.engine.executor.worker.runner.backend
-    return {kind: list(c) for kind, c in getattr(backend, "kind_counts", {}).items()}
+    found = {kind: list(c) for kind, c in getattr(backend, "kind_counts", {}).items()}
+    prefill = getattr(backend, "prefill_counts", [0, 0])
+    if prefill[1]:
+        found["prefill"] = list(prefill)
+    return found
 
 
 def run_tasks(llm: LLM, texts: list[str], kinds: list[str], lengths: list[int],
@@ -168,7 +173,7 @@ def print_tasks(table, methods, kinds, lengths, args) -> None:
     print(f"{args.model}: {args.per_kind} held-out items per task and length, greedy; "
           f"first {args.dense_layers} layers dense")
     print("| method | " + " | ".join(f"{k} {n}" for k in kinds for n in lengths)
-          + " | mean keys / query (retrieval, local or selected heads) |")
+          + " | mean keys / query (retrieval, local or selected heads; prefill) |")
     print("|" + " --- |" * (2 + len(kinds) * len(lengths)))
     for method in methods:
         cells = [f"{100 * table[method][(k, n)]['accuracy']:.0f}%"
