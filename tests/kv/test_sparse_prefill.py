@@ -61,7 +61,7 @@ def test_a_chunk_attends_to_exactly_the_kept_blocks_and_itself(tmp_path, name):
     slots = (table[:, None] * block_size + torch.arange(block_size)).flatten()
     backend.observe_keys(1, keys, slots)
     chunk = PrefillChunk(0, n, context, table[:-(-(context + n) // block_size)])
-    assert sparse_prefill.worth_it(chunk, sparse)
+    assert sparse_prefill.worth_it(chunk, backend.least_kept())
     q = torch.randn(n, 4, 16, generator=generator)
     out = sparse_prefill.chunk_attention(backend, 1, q, chunk, cache, 0.25)
     probes = sparse_prefill.probe_rows(chunk)
@@ -86,9 +86,9 @@ def run(model_dir, **options):
 def test_every_block_kept_is_dense_prefill(calibrated, monkeypatch):  # noqa: F811
     model_dir, path = calibrated
     dense, _ = run(model_dir, attention_backend="paged")
-    monkeypatch.setattr(sparse_prefill, "worth_it", lambda chunk, sparse: True)
+    monkeypatch.setattr(sparse_prefill, "worth_it", lambda chunk, least: True)
     monkeypatch.setattr("tokenmill.attention.block_sparse.worth_it",
-                        lambda chunk, sparse: True)
+                        lambda chunk, least: True)
     tokens, engine = run(model_dir, attention_backend="retrieval-topp", sparse_calibration=path,
                          sparse_dense_layers=0, sparse_retrieval_fraction=1.0,
                          sparse_min_tokens=512, sparse_budget=512, sparse_prefill=True)

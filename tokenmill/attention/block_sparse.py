@@ -117,6 +117,10 @@ class BlockSparseAttention(PagedNativeAttention):
             self._taken[key] = (keys, queries)
         return taken
 
+    def least_kept(self) -> int:
+        """The fewest tokens the rule keeps of a long context (sparse prefill's bar)."""
+        return self.spec.sparse.budget
+
     def head_kinds(self, layer_index: int) -> list[str]:
         """The kind of each KV head of a sparse layer, for the counters."""
         return ["selected"] * self.spec.num_kv_heads
@@ -146,7 +150,7 @@ class BlockSparseAttention(PagedNativeAttention):
                  chunk: PrefillChunk, kv_cache: KVCache, scale: float) -> torch.Tensor:
         sparse = self.spec.sparse
         if (sparse.prefill and self._layer >= sparse.dense_layers and chunk.context_len > 0
-                and worth_it(chunk, sparse)):
+                and worth_it(chunk, self.least_kept())):
             return chunk_attention(self, self._layer, q, chunk, kv_cache, scale)
         return super()._prefill(q, k, v, chunk, kv_cache, scale)
 

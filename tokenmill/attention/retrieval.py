@@ -114,6 +114,10 @@ class RetrievalTopPAttention(BlockSparseAttention):
         """What the self-check's cached table depends on beyond the knobs."""
         return "native" if self.kernel is not None else "torch"
 
+    def least_kept(self) -> int:
+        sparse = self.spec.sparse
+        return max(sparse.min_tokens, sparse.sink_tokens + sparse.window)
+
     def index_bytes_per_token(self) -> int:
         """What the index adds to the cache, per token over all layers."""
         return sum(index[0].numel() * index.element_size() for index in self.index

@@ -11,8 +11,9 @@ head), and to the chunk itself causally (dense). One masked SDPA per chunk over 
 union of the heads' kept blocks and the chunk, each head's mask its own; keys read
 back from the cache (dequantised if quantized), as the dense path does.
 
-It applies where the context is longer than what the selection could keep whole
-(budget + window + sinks); shorter contexts, the first `--sparse-dense-layers`
+It applies where the context is over twice what the selection keeps at least of a
+long context (quest, static-topk: the budget; retrieval-topp: the floor, or the
+sinks and the window if more); shorter contexts, the first `--sparse-dense-layers`
 layers and every decode row are untouched by it.
 """
 
@@ -28,9 +29,10 @@ from tokenmill.kv.quant import dequantize
 PROBE_QUERIES = 8  # chunk queries whose decode-rule choices a chunk attends to
 
 
-def worth_it(chunk: PrefillChunk, sparse) -> bool:
-    """Whether a chunk's cached context is longer than the selection keeps whole."""
-    return chunk.context_len > sparse.budget + sparse.window + sparse.sink_tokens
+def worth_it(chunk: PrefillChunk, least: int) -> bool:
+    """Whether a chunk's cached context is over twice the `least` tokens its backend
+    keeps of a long context (below it, selecting saves little)."""
+    return chunk.context_len > 2 * least
 
 
 def probe_rows(chunk: PrefillChunk) -> torch.Tensor:

@@ -43,8 +43,8 @@ class AttentionConfig:
     # Sparse backends: decode rows with a shorter context run dense attention. None:
     # the crossover measured on this machine at start-up (cached); 0: always sparse.
     sparse_min_context: int | None = None
-    # Sparse backends: prefill chunks whose cached context is longer than budget +
-    # window + sinks attend to the blocks the decode rule keeps for a few of their
+    # Sparse backends: prefill chunks whose cached context is over twice what the
+    # rule keeps at least attend to the blocks the decode rule keeps for a few of their
     # queries, and to themselves (attention/sparse_prefill.py). Off: prefill is dense.
     sparse_prefill: bool = False
     # Prefill pruning (LazyLLM-style, experimental; runner/prefill_pruning.py): the
