@@ -94,3 +94,18 @@ def test_native_list_attention_is_the_gathered_route(tmp_path, kernel, monkeypat
     torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-5, atol=1e-5)
     assert counters[0] == counters[1]
     assert counters[0]["retrieval"][0] < sum(LENGTHS)  # sparse: not every key
+
+
+def test_the_self_check_times_the_layer_with_the_most_retrieval_heads(tmp_path):
+    calibration = SparseCalibration(3, 2, 16, 4, [[0.9, 0.8], [0.1, 0.2], [0.3, 0.4]],
+                                    [[[0, 3], [1, 2]]] * 3, {})
+    calibration.save(tmp_path / "c.json")
+    cache = KVCache.allocate(8, 8, 2, 16, torch.float32, torch.float32, torch.device("cpu"))
+    sparse = SparseSettings(dense_layers=1, retrieval_fraction=0.5, min_context=0,
+                            calibration=str(tmp_path / "c.json"))
+    backend = ATTENTION_BACKENDS["retrieval-topp"](AttentionSpec(3, 4, 2, 16, 8, sparse))
+    backend.allocate_state([cache] * 3)
+    assert backend.retrieval == [[], [], [0, 1]]
+    assert backend.probe_layer(3) == 2
+    quest = ATTENTION_BACKENDS["quest"](AttentionSpec(3, 4, 2, 16, 8, sparse))
+    assert quest.probe_layer(3) == 1

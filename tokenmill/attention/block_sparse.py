@@ -89,7 +89,7 @@ class BlockSparseAttention(PagedNativeAttention):
         if self.min_context is None and os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0":
             self.min_context = 0  # no measurement (the test suite): always sparse
         if self.min_context is None and kv_caches:
-            layer = min(self.spec.sparse.dense_layers, len(kv_caches) - 1)
+            layer = self.probe_layer(len(kv_caches))
             self.min_context = crossover_for(self, kv_caches[layer], layer,
                                              super()._decode, self._sparse)
             self.kind_counts.clear()  # the probe's
@@ -116,6 +116,10 @@ class BlockSparseAttention(PagedNativeAttention):
                 taken[key] = (keys - before[0], queries - before[1])
             self._taken[key] = (keys, queries)
         return taken
+
+    def probe_layer(self, num_layers: int) -> int:
+        """The layer the self-check times: the first sparse one (all alike here)."""
+        return min(self.spec.sparse.dense_layers, num_layers - 1)
 
     def least_kept(self) -> int:
         """The fewest tokens the rule keeps of a long context (sparse prefill's bar)."""

@@ -5,8 +5,9 @@ At start-up, before any request, a sparse backend fills the first blocks of its 
 (still empty) cache with random keys and values, and times one layer's decode
 attention for a single request at contexts of 256, 512, ... tokens up to what the
 cache holds (at most MAX_PROBE tokens): the dense path (paged-native's kernel, or the
-paged path where it does not apply) against the backend's sparse path on the first
-sparse layer. The crossover is the shortest measured length from which sparse is
+paged path where it does not apply) against the backend's sparse path on one sparse
+layer (the backend's `probe_layer`: the first, or retrieval-topp's layer with the
+most retrieval heads, its slowest). The crossover is the shortest measured length from which sparse is
 faster at every longer one; rows with a shorter context then run dense. If sparse
 never wins, every row runs dense (logged: the backend then only costs its key
 bookkeeping) — `--sparse-min-context 0` forces sparse everywhere.

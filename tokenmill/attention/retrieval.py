@@ -114,6 +114,13 @@ class RetrievalTopPAttention(BlockSparseAttention):
         """What the self-check's cached table depends on beyond the knobs."""
         return "native" if self.kernel is not None else "torch"
 
+    def probe_layer(self, num_layers: int) -> int:
+        """The sparse layer with the most retrieval heads: the slowest to select for,
+        so the self-check's crossover holds for every layer."""
+        first = min(self.spec.sparse.dense_layers, num_layers - 1)
+        return max(range(first, num_layers), key=lambda layer: (len(self.retrieval[layer]),
+                                                                -layer))
+
     def least_kept(self) -> int:
         sparse = self.spec.sparse
         return max(sparse.min_tokens, sparse.sink_tokens + sparse.window)
