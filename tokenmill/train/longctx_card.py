@@ -93,7 +93,8 @@ def render_longctx_card(name: str, log: dict, config: dict, weights: int) -> str
         "out), distributed under the PSF License Version 2, as are these weights. Rows: "
         f"with probability {recipe['task_share']} one task item "
         "(`tokenmill.train.longctx_tasks`: needle, multi-key, multi-value or code, of a "
-        "random length up to the row's, seeds from 1,000,000, filler from training files), "
+        "random length up to the row's, seeds from 1,000,000 + 100,000 x the stage's seed "
+        "(a stage run before that rule drew from 1,000,000), filler from training files), "
         "its answer, an end of text and a code window to fill the row; otherwise a plain "
         "code window.",
         "",
