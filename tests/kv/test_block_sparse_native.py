@@ -96,7 +96,7 @@ def test_native_list_attention_is_the_gathered_route(tmp_path, kernel, monkeypat
     assert counters[0]["retrieval"][0] < sum(LENGTHS)  # sparse: not every key
 
 
-def test_the_self_check_times_the_layer_with_the_most_retrieval_heads(tmp_path):
+def test_the_self_check_times_each_count_of_retrieval_heads_apart(tmp_path):
     calibration = SparseCalibration(3, 2, 16, 4, [[0.9, 0.8], [0.1, 0.2], [0.3, 0.4]],
                                     [[[0, 3], [1, 2]]] * 3, {})
     calibration.save(tmp_path / "c.json")
@@ -106,6 +106,32 @@ def test_the_self_check_times_the_layer_with_the_most_retrieval_heads(tmp_path):
     backend = ATTENTION_BACKENDS["retrieval-topp"](AttentionSpec(3, 4, 2, 16, 8, sparse))
     backend.allocate_state([cache] * 3)
     assert backend.retrieval == [[], [], [0, 1]]
-    assert backend.probe_layer(3) == 2
+    assert backend.probe_classes(3) == {"0-retrieval": [1], "2-retrieval": [2]}
     quest = ATTENTION_BACKENDS["quest"](AttentionSpec(3, 4, 2, 16, 8, sparse))
-    assert quest.probe_layer(3) == 1
+    assert quest.probe_classes(3) == {"": [1, 2]}
+
+
+def test_each_group_of_layers_gets_its_own_crossover(tmp_path, monkeypatch):
+    from tokenmill.attention import crossover
+
+    monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "1")
+    monkeypatch.setattr(crossover, "CACHE", tmp_path / "cache")
+    timed = []
+
+    def fake_table(backend, kv_cache, layer, dense, sparse):
+        timed.append(layer)  # local-only layer 1: sparse wins from 512; layer 2 never
+        return ({256: (1.0, 2.0), 512: (2.0, 1.0), 1024: (4.0, 1.0)} if layer == 1
+                else {256: (1.0, 2.0), 512: (2.0, 3.0)})
+
+    monkeypatch.setattr(crossover, "measure_table", fake_table)
+    calibration = SparseCalibration(3, 2, 16, 4, [[0.9, 0.8], [0.1, 0.2], [0.3, 0.4]],
+                                    [[[0, 3], [1, 2]]] * 3, {})
+    calibration.save(tmp_path / "c.json")
+    cache = KVCache.allocate(8, 8, 2, 16, torch.float32, torch.float32, torch.device("cpu"))
+    sparse = SparseSettings(dense_layers=1, retrieval_fraction=0.5,
+                            calibration=str(tmp_path / "c.json"))
+    backend = ATTENTION_BACKENDS["retrieval-topp"](AttentionSpec(3, 4, 2, 16, 8, sparse))
+    backend.allocate_state([cache] * 3)
+    assert sorted(timed) == [1, 2]
+    assert backend.layer_min_context[1:] == [512, crossover.NEVER]
+    assert len(list((tmp_path / "cache").rglob("*.json"))) == 2  # one table per group

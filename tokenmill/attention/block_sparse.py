@@ -85,16 +85,22 @@ class BlockSparseAttention(PagedNativeAttention):
         self.layer_counts: dict[tuple[int, str], list[int]] = {}
         self._taken: dict[tuple[int, str], tuple[int, int]] = {}
         self.allocate_sparse_state(kv_caches)
-        self.min_context = self.spec.sparse.min_context
-        if self.min_context is None and os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0":
-            self.min_context = 0  # no measurement (the test suite): always sparse
-        if self.min_context is None and kv_caches:
-            layer = self.probe_layer(len(kv_caches))
-            self.min_context = crossover_for(self, kv_caches[layer], layer,
-                                             super()._decode, self._sparse)
+        fixed = self.spec.sparse.min_context
+        if fixed is None and os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0":
+            fixed = 0  # no measurement (the test suite): always sparse
+        # Per layer: decode rows with a shorter context run dense there.
+        self.layer_min_context = [fixed or 0] * len(kv_caches)
+        if fixed is None and kv_caches:
+            for tag, layers in self.probe_classes(len(kv_caches)).items():
+                crossover = crossover_for(self, kv_caches[layers[0]], layers[0],
+                                          super()._decode, self._sparse, tag, layers)
+                for layer in layers:
+                    self.layer_min_context[layer] = crossover
             self.kind_counts.clear()  # the probe's
             self.layer_counts.clear()
             self.active_tokens = self.queries = 0
+        sparse_layers = self.layer_min_context[self.spec.sparse.dense_layers:]
+        self.min_context = min(sparse_layers) if sparse_layers else 0
 
     def allocate_sparse_state(self, kv_caches: list[KVCache]) -> None:
         """Allocate per-layer state beside the cache (before the self-check runs)."""
@@ -117,9 +123,11 @@ class BlockSparseAttention(PagedNativeAttention):
             self._taken[key] = (keys, queries)
         return taken
 
-    def probe_layer(self, num_layers: int) -> int:
-        """The layer the self-check times: the first sparse one (all alike here)."""
-        return min(self.spec.sparse.dense_layers, num_layers - 1)
+    def probe_classes(self, num_layers: int) -> dict[str, list[int]]:
+        """The sparse layers grouped by what their decode costs alike (all alike here):
+        the self-check times the first layer of each group for the whole group."""
+        return {"": list(range(min(self.spec.sparse.dense_layers, num_layers - 1),
+                               num_layers))}
 
     def least_kept(self) -> int:
         """The fewest tokens the rule keeps of a long context (sparse prefill's bar)."""
@@ -162,7 +170,7 @@ class BlockSparseAttention(PagedNativeAttention):
                 scale: float, layer_index: int) -> torch.Tensor:
         if layer_index < self.spec.sparse.dense_layers or metadata.decode_query_len != 1:
             return super()._decode(q, kv_cache, metadata, scale, layer_index)
-        sparse_rows = metadata.decode_lengths >= self.min_context
+        sparse_rows = metadata.decode_lengths >= self.layer_min_context[layer_index]
         if bool(sparse_rows.all()):
             return self._sparse(q, kv_cache, metadata, scale, layer_index)
         if not bool(sparse_rows.any()):

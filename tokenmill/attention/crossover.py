@@ -5,12 +5,15 @@ At start-up, before any request, a sparse backend fills the first blocks of its 
 (still empty) cache with random keys and values, and times one layer's decode
 attention for a single request at contexts of 256, 512, ... tokens up to what the
 cache holds (at most MAX_PROBE tokens): the dense path (paged-native's kernel, or the
-paged path where it does not apply) against the backend's sparse path on one sparse
-layer (the backend's `probe_layer`: the first, or retrieval-topp's layer with the
-most retrieval heads, its slowest). The crossover is the shortest measured length from which sparse is
-faster at every longer one; rows with a shorter context then run dense. If sparse
-never wins, every row runs dense (logged: the backend then only costs its key
-bookkeeping) — `--sparse-min-context 0` forces sparse everywhere.
+paged path where it does not apply) against the backend's sparse path, on one layer of
+each group of sparse layers that cost alike (the backend's `probe_classes`: quest and
+static-topk one group; retrieval-topp a group per number of retrieval heads, since a
+layer of local heads selects almost for free and one of retrieval heads scores every
+token). Each group gets its own crossover: the shortest measured length from which
+sparse is faster at every longer one; rows with a shorter context run dense in that
+group's layers. If sparse never wins, every row runs dense there (logged: the backend
+then only costs its key bookkeeping) — `--sparse-min-context 0` forces sparse
+everywhere.
 
 Random keys spread a top-p budget over many blocks, so the sparse time measured is
 if anything pessimistic. The table is cached per host (CPU, torch version, threads),
@@ -88,19 +91,21 @@ def measure_table(backend, kv_cache: KVCache, layer_index: int, dense, sparse
     return table
 
 
-def cache_path(backend, kv_cache: KVCache):
+def cache_path(backend, kv_cache: KVCache, tag: str = ""):
     spec, sparse = backend.spec, backend.spec.sparse
     threads = torch.get_num_threads()
     name = "-".join(str(x) for x in (
         backend.name, getattr(backend, "crossover_tag", ""), spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size,
         kv_cache.data.dtype, kv_cache.data.device.type, sparse.budget, sparse.top_p,
-        sparse.min_tokens, sparse.sink_tokens, sparse.window, sparse.retrieval_fraction))
+        sparse.min_tokens, sparse.sink_tokens, sparse.window, sparse.retrieval_fraction, tag))
     return CACHE / "sparse" / f"{host_key(threads)}-{threads}t" / f"{name}.json"
 
 
-def crossover_for(backend, kv_cache: KVCache, layer_index: int, dense, sparse) -> int:
-    """The cached or freshly measured crossover of `backend` on this machine."""
-    path = cache_path(backend, kv_cache)
+def crossover_for(backend, kv_cache: KVCache, layer_index: int, dense, sparse,
+                  tag: str = "", layers: list[int] | None = None) -> int:
+    """The cached or freshly measured crossover of `backend` on this machine, timed on
+    `layer_index` for the group of `layers` it stands for (`tag` names the group)."""
+    path = cache_path(backend, kv_cache, tag)
     if path.is_file():
         table = {int(k): tuple(v) for k, v in json.loads(path.read_text()).items()}
     else:
@@ -109,12 +114,13 @@ def crossover_for(backend, kv_cache: KVCache, layer_index: int, dense, sparse) -
         path.write_text(json.dumps({str(k): v for k, v in table.items()}))
     crossover = choose_crossover(table)
     described = ", ".join(f"{n}: {d * 1e6:.0f}/{s * 1e6:.0f} us" for n, (d, s) in table.items())
+    where = f"layers {layers}" if layers is not None else f"layer {layer_index}"
     if crossover == NEVER:
-        logger.warning("%s: sparse decode attention was not faster than dense at any "
+        logger.warning("%s, %s: sparse decode attention was not faster than dense at any "
                        "measured context on this machine (dense/sparse per layer: %s); "
-                       "decode runs dense (--sparse-min-context 0 forces sparse)",
-                       backend.name, described)
+                       "decode runs dense there (--sparse-min-context 0 forces sparse)",
+                       backend.name, where, described)
     else:
-        logger.info("%s: sparse decode from %d tokens of context (dense/sparse per layer: "
-                    "%s)", backend.name, crossover, described)
+        logger.info("%s, %s: sparse decode from %d tokens of context (dense/sparse per "
+                    "layer: %s)", backend.name, where, crossover, described)
     return crossover

@@ -114,12 +114,13 @@ class RetrievalTopPAttention(BlockSparseAttention):
         """What the self-check's cached table depends on beyond the knobs."""
         return "native" if self.kernel is not None else "torch"
 
-    def probe_layer(self, num_layers: int) -> int:
-        """The sparse layer with the most retrieval heads: the slowest to select for,
-        so the self-check's crossover holds for every layer."""
-        first = min(self.spec.sparse.dense_layers, num_layers - 1)
-        return max(range(first, num_layers), key=lambda layer: (len(self.retrieval[layer]),
-                                                                -layer))
+    def probe_classes(self, num_layers: int) -> dict[str, list[int]]:
+        """Sparse layers by their number of retrieval heads: a layer of local heads
+        only costs far less than one whose heads score every token."""
+        classes: dict[str, list[int]] = {}
+        for layer in range(min(self.spec.sparse.dense_layers, num_layers - 1), num_layers):
+            classes.setdefault(f"{len(self.retrieval[layer])}-retrieval", []).append(layer)
+        return classes
 
     def least_kept(self) -> int:
         sparse = self.spec.sparse
