@@ -122,6 +122,16 @@ def test_needle_probes_score_the_answer_on_the_fact_line():
         assert predicted.strip() == answer and probe.queries[-1] == len(probe.ids) - 2
 
 
+def test_the_needle_calibration_is_deterministic_and_names_its_probes():
+    filler = ["\n".join(f"value_{i} = compute({i * 7}, 'x')" for i in range(400))]
+    options = {"sequences": 2, "length": 256, "index_dims": 4, "texts": filler}
+    first = calibrate_sparse(PYCODER, seed=1, **options)
+    assert first == calibrate_sparse(PYCODER, seed=1, **options)
+    assert first.method["score"].startswith("needle") and "copy_tokens" not in first.method
+    assert all(0 <= s <= 1 for layer in first.retrieval_score for s in layer)
+    assert any(s > 0 for layer in first.retrieval_score for s in layer)
+
+
 def test_retrieval_heads_are_the_best_scored_of_the_sparse_layers():
     calibration = SparseCalibration(3, 2, 8, 4, [[0.9, 0.8], [0.1, 0.5], [0.3, 0.2]],
                                     [[[0, 1]] * 2] * 3, {})
