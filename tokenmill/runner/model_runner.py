@@ -127,7 +127,8 @@ class ModelRunner:
                     batch.prune.append(slot)
             elif (not request.is_decode and request.sampling is not None
                   and request.num_computed_tokens + request.num_new_tokens
-                  >= pruning.min_tokens and not pruning.warned_chunked):  # the last chunk of a chunked prompt
+                  >= pruning.min_tokens and not pruning.warned_chunked):
+                # The last chunk of a chunked prompt: too late to prune it.
                 pruning.warned_chunked = True
                 logger.warning("prefill pruning: a prompt was prefilled in chunks and is "
                                "not pruned (pruning needs the whole prompt in one step: "
