@@ -52,3 +52,30 @@ def test_autograd_keeps_the_torch_forms():
     rope = (torch.randn(3, 1, 32), torch.randn(3, 1, 32))
     rotate(q, rope).sum().backward()
     assert q.grad is not None
+
+
+def test_a_build_killed_mid_compile_does_not_hang_later_starts(tmp_path):
+    """A start-up killed while compiling leaves torch's build lock behind; the next
+    build removes it (no live compile holds tokenmill's own lock) instead of waiting
+    forever. Built from a checkout at another path, the kernel is not rebuilt."""
+    import shutil
+    import threading
+
+    from tokenmill.layers import native
+
+    flags = ("-ffp-contract=off",)
+    elsewhere = tmp_path / "checkout" / "row_ops.cpp"
+    elsewhere.parent.mkdir()
+    shutil.copy(native.ROW_OPS_SOURCE, elsewhere)
+    build_dir = native.CACHE / "kernels" / f"row_ops-{native.build_key(elsewhere, flags)}"
+    library = next(build_dir.glob("*.so"))
+    built_at = library.stat().st_mtime
+    (build_dir / "lock").touch()  # what a killed compile leaves
+    result = []
+    worker = threading.Thread(target=lambda: result.append(
+        native.build_extension.__wrapped__("row_ops", elsewhere, flags)), daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert result and result[0] is not None, "the build waited on a stale lock"
+    assert not (build_dir / "lock").exists()
+    assert library.stat().st_mtime == built_at  # same text, other path: no rebuild

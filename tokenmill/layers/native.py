@@ -5,6 +5,7 @@ caller keeps a plain-PyTorch path."""
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -37,12 +38,27 @@ def build_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ())
             logger.info("compiling the %s kernel for this CPU (once; cached in %s)", name,
                         build_dir)
         build_dir.mkdir(parents=True, exist_ok=True)
-        # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (the soname
-        # libgomp.so.1 resolves to the copy torch has already loaded).
-        return load(name=f"tokenmill_{name}_{key}", sources=[str(source)],
-                    extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
-                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                    verbose=False)
+        # Compiled from a copy inside the build directory: the same text from another
+        # checkout is the same build (torch rebuilds when a source's path changes).
+        copy = build_dir / source.name
+        if not copy.is_file() or copy.read_text() != source.read_text():
+            copy.write_text(source.read_text())
+        # One compile at a time per kernel, under a lock the OS drops when its holder
+        # dies. Holding it, any lock file torch's own build left is from a compile that
+        # was killed (a start-up interrupted mid-build), which would make every later
+        # start wait on it forever: removed.
+        with open(build_dir / "tokenmill.lock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)
+            stale = build_dir / "lock"
+            if stale.exists():
+                logger.warning("removing %s, left by an interrupted build", stale)
+                stale.unlink()
+            # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (the soname
+            # libgomp.so.1 resolves to the copy torch has already loaded).
+            return load(name=f"tokenmill_{name}_{key}", sources=[str(copy)],
+                        extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
+                        extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                        verbose=False)
     except Exception as exc:  # noqa: BLE001 (any build failure means: fall back)
         logger.warning("native kernel %s could not be compiled (%s); the PyTorch path "
                        "serves instead", name, exc)
