@@ -19,8 +19,14 @@ from tokenmill.layers.timing import CACHE, cpu_signature
 logger = logging.getLogger(__name__)
 
 
+def headers(source: Path) -> list[Path]:
+    """The headers beside a source (its `#include "..."`s live there)."""
+    return sorted(source.parent.glob("*.h"))
+
+
 def build_key(source: Path, extra_cflags: tuple[str, ...] = ()) -> str:
-    text = (source.read_text() + torch.__version__ + cpu_signature() + platform.python_version()
+    text = (source.read_text() + "".join(h.read_text() for h in headers(source))
+            + torch.__version__ + cpu_signature() + platform.python_version()
             + " ".join(extra_cflags))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -38,11 +44,6 @@ def build_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ())
             logger.info("compiling the %s kernel for this CPU (once; cached in %s)", name,
                         build_dir)
         build_dir.mkdir(parents=True, exist_ok=True)
-        # Compiled from a copy inside the build directory: the same text from another
-        # checkout is the same build (torch rebuilds when a source's path changes).
-        copy = build_dir / source.name
-        if not copy.is_file() or copy.read_text() != source.read_text():
-            copy.write_text(source.read_text())
         # One compile at a time per kernel, under a lock the OS drops when its holder
         # dies. Holding it, any lock file torch's own build left is from a compile that
         # was killed (a start-up interrupted mid-build), which would make every later
@@ -53,9 +54,17 @@ def build_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ())
             if stale.exists():
                 logger.warning("removing %s, left by an interrupted build", stale)
                 stale.unlink()
+            # Compiled from a copy (with its sibling headers) inside the build
+            # directory: the same text from another checkout is the same build (torch
+            # rebuilds when a source's path changes).
+            for original in (source, *headers(source)):
+                copy = build_dir / original.name
+                if not copy.is_file() or copy.read_text() != original.read_text():
+                    copy.write_text(original.read_text())
             # -fopenmp: at::parallel_for runs on torch's own OpenMP pool (the soname
             # libgomp.so.1 resolves to the copy torch has already loaded).
-            return load(name=f"tokenmill_{name}_{key}", sources=[str(copy)],
+            return load(name=f"tokenmill_{name}_{key}",
+                        sources=[str(build_dir / source.name)],
                         extra_cflags=["-O3", "-march=native", "-fopenmp", *extra_cflags],
                         extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                         verbose=False)

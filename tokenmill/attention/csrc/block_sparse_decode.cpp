@@ -14,7 +14,8 @@
 // paged_decode_lists
 //               attention of each (row, KV head) over its own list of logical blocks,
 //               read in place from the paged cache (a running softmax per query head,
-//               as csrc/paged_decode.cpp does for whole contexts).
+//               as csrc/paged_decode.cpp does for whole contexts; both fold blocks
+//               with decode_common.h).
 //
 // float32 throughout; built with -ffast-math.
 #include <torch/extension.h>
@@ -26,21 +27,13 @@
 #include <tuple>
 #include <vector>
 
+#include "decode_common.h"
+
 namespace {
 
-constexpr float kNoScore = -1e30f;  // finite: -ffast-math assumes no infinities
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline void scale_add(float* acc, const float* v, float p, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
-}
+using decode::dot;
+using decode::kNoScore;
+using decode::scale_add;
 
 struct Selection {
   int64_t block_size, sink_blocks, window, least, most;
@@ -295,26 +288,13 @@ torch::Tensor paged_decode_lists(torch::Tensor q, torch::Tensor keys, torch::Ten
         const float* block_values = v_data + physical * block_floats + h * head_dim;
         for (int64_t g = 0; g < group; ++g) {
           float* sc = score.data() + g * block_size;
-          float block_max = kNoScore;
-          for (int64_t t = 0; t < count; ++t) {
+          for (int64_t t = 0; t < count; ++t)
             sc[t] = s * dot(query + g * head_dim, block_keys + t * kv_heads * head_dim,
                             head_dim);
-            block_max = std::max(block_max, sc[t]);
-          }
-          const float new_max = std::max(top[g], block_max);
-          const float rescale = std::exp(top[g] - new_max);
-          float block_total = 0.0f;
-#pragma omp simd reduction(+ : block_total)
-          for (int64_t t = 0; t < count; ++t) {
-            sc[t] = std::exp(sc[t] - new_max);
-            block_total += sc[t];
-          }
           float* a = acc.data() + g * head_dim;
-          for (int64_t i2 = 0; i2 < head_dim; ++i2) a[i2] *= rescale;
+          decode::fold_block(sc, count, a, head_dim, top[g], total[g]);
           for (int64_t t = 0; t < count; ++t)
             scale_add(a, block_values + t * kv_heads * head_dim, sc[t], head_dim);
-          total[g] = total[g] * rescale + block_total;
-          top[g] = new_max;
         }
       }
       for (int64_t g = 0; g < group; ++g) {

@@ -20,23 +20,15 @@
 #include <cmath>
 #include <vector>
 
+#include "decode_common.h"
+
 namespace {
 
+using decode::dot;
+using decode::kNoScore;
+using decode::scale_add;
+
 constexpr int64_t kMinBlocksPerShare = 4;
-constexpr float kNoScore = -1e30f;  // finite: -ffast-math assumes no infinities
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-inline void scale_add(float* acc, const float* v, float p, int64_t n) {
-#pragma omp simd
-  for (int64_t i = 0; i < n; ++i) acc[i] += p * v[i];
-}
-
 inline void prefetch_block(const float* keys, const float* values, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) {
     __builtin_prefetch(keys + i);
@@ -80,20 +72,7 @@ void attend_share(const Geometry& g, const float* query, const float* k_data,
     for (int64_t h = 0; h < g.heads; ++h) {
       float* score = scores.data() + h * g.block_size;
       float* s = state + h * stride;
-      float block_max = kNoScore;
-      for (int64_t t = 0; t < count; ++t) block_max = std::max(block_max, score[t]);
-      const float new_max = std::max(s[g.head_dim], block_max);
-      const float rescale = std::exp(s[g.head_dim] - new_max);
-      float block_total = 0.0f;
-#pragma omp simd reduction(+ : block_total)
-      for (int64_t t = 0; t < count; ++t) {  // vector exp (libmvec)
-        score[t] = std::exp(score[t] - new_max);
-        block_total += score[t];
-      }
-#pragma omp simd
-      for (int64_t i = 0; i < g.head_dim; ++i) s[i] *= rescale;
-      s[g.head_dim + 1] = s[g.head_dim + 1] * rescale + block_total;
-      s[g.head_dim] = new_max;
+      decode::fold_block(score, count, s, g.head_dim, s[g.head_dim], s[g.head_dim + 1]);
     }
     for (int64_t t = 0; t < count; ++t)
       for (int64_t kv = 0; kv < g.kv_heads; ++kv) {
