@@ -97,8 +97,15 @@ def test_requests_beside_a_pruned_one_are_untouched(llama_dir):
 
 
 def test_the_knobs_refuse_what_cannot_compose():
-    with pytest.raises(ValueError, match="prefill_pruning"):
-        AttentionConfig(prefill_pruning=0.0)
+    for bad in (0.0, 1.5, True, "half"):
+        with pytest.raises(ValueError, match="prefill_pruning"):
+            AttentionConfig(prefill_pruning=bad)
+    with pytest.raises(ValueError, match="prefill_pruning_layer"):
+        AttentionConfig(prefill_pruning_layer=0)
+    with pytest.raises(ValueError, match="prefill_pruning_min_tokens"):
+        AttentionConfig(prefill_pruning_min_tokens=False)
+    with pytest.raises(ValueError, match="sparse_prefill"):
+        AttentionConfig(sparse_prefill="yes")
     with pytest.raises(ValueError, match="enable_prefix_caching"):
         EngineConfig(attention=AttentionConfig(prefill_pruning=0.5))
     with pytest.raises(ValueError, match="prefill_pruning"):

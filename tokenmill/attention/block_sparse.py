@@ -80,7 +80,6 @@ class BlockSparseAttention(PagedNativeAttention):
         self.active_tokens = 0
         self.queries = 0
         self.prefill_counts = [0, 0]  # keys attended and queries (x KV heads), sparse prefill
-        self._layer = 0
         self.kind_counts: dict[str, list[int]] = {}
         self.layer_counts: dict[tuple[int, str], list[int]] = {}
         self._taken: dict[tuple[int, str], tuple[int, int]] = {}
@@ -99,8 +98,12 @@ class BlockSparseAttention(PagedNativeAttention):
             self.kind_counts.clear()  # the probe's
             self.layer_counts.clear()
             self.active_tokens = self.queries = 0
+
+    @property
+    def min_context(self) -> int:
+        """The shortest context any sparse layer decodes sparsely from."""
         sparse_layers = self.layer_min_context[self.spec.sparse.dense_layers:]
-        self.min_context = min(sparse_layers) if sparse_layers else 0
+        return min(sparse_layers) if sparse_layers else 0
 
     def allocate_sparse_state(self, kv_caches: list[KVCache]) -> None:
         """Allocate per-layer state beside the cache (before the self-check runs)."""
@@ -155,16 +158,16 @@ class BlockSparseAttention(PagedNativeAttention):
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
         self.observe_keys(layer_index, k, metadata.slot_mapping)
-        self._layer = layer_index  # for _prefill, which the paged path calls without it
         return super().forward(layer_index, q, k, v, kv_cache, metadata, scale)
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 chunk: PrefillChunk, kv_cache: KVCache, scale: float) -> torch.Tensor:
+                 chunk: PrefillChunk, kv_cache: KVCache, scale: float,
+                 layer_index: int) -> torch.Tensor:
         sparse = self.spec.sparse
-        if (sparse.prefill and self._layer >= sparse.dense_layers and chunk.context_len > 0
+        if (sparse.prefill and layer_index >= sparse.dense_layers and chunk.context_len > 0
                 and worth_it(chunk, self.least_kept())):
-            return chunk_attention(self, self._layer, q, chunk, kv_cache, scale)
-        return super()._prefill(q, k, v, chunk, kv_cache, scale)
+            return chunk_attention(self, layer_index, q, chunk, kv_cache, scale)
+        return super()._prefill(q, k, v, chunk, kv_cache, scale, layer_index)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
                 scale: float, layer_index: int) -> torch.Tensor:

@@ -95,7 +95,8 @@ def cache_path(backend, kv_cache: KVCache, tag: str = ""):
     spec, sparse = backend.spec, backend.spec.sparse
     threads = torch.get_num_threads()
     name = "-".join(str(x) for x in (
-        backend.name, getattr(backend, "crossover_tag", ""), spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.block_size,
+        backend.name, getattr(backend, "crossover_tag", ""), spec.num_heads,
+        spec.num_kv_heads, spec.head_dim, spec.block_size,
         kv_cache.data.dtype, kv_cache.data.device.type, sparse.budget, sparse.top_p,
         sparse.min_tokens, sparse.sink_tokens, sparse.window, sparse.retrieval_fraction, tag))
     return CACHE / "sparse" / f"{host_key(threads)}-{threads}t" / f"{name}.json"

@@ -118,12 +118,13 @@ class PagedAttention(AttentionBackend):
             out[:num_decode] = self._decode(q[:num_decode], kv_cache, metadata, scale,
                                             layer_index)
         for chunk in metadata.prefills:
-            out[chunk.start:chunk.end] = self._prefill(q, k, v, chunk, kv_cache, scale)
+            out[chunk.start:chunk.end] = self._prefill(q, k, v, chunk, kv_cache, scale,
+                                                       layer_index)
         return out
 
-    @staticmethod
-    def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunk,
-                 kv_cache: KVCache, scale: float) -> torch.Tensor:
+    def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 chunk: PrefillChunk, kv_cache: KVCache, scale: float,
+                 layer_index: int) -> torch.Tensor:
         # [1, H, n, D]: with a batch dimension SDPA takes its fused CPU kernel
         # (3-D inputs fall back to the unfused math path, 1.7x slower).
         q_chunk = q[chunk.start:chunk.end].transpose(0, 1)[None]

@@ -76,15 +76,20 @@ class AttentionConfig:
                  or (isinstance(self.sparse_min_context, int) and self.sparse_min_context >= 0),
                  "sparse_min_context", "None (measured) or a number of tokens >= 0",
                  self.sparse_min_context)
+        _require(isinstance(self.sparse_prefill, bool), "sparse_prefill", "True or False",
+                 self.sparse_prefill)
         _require(self.prefill_pruning is None
                  or (isinstance(self.prefill_pruning, (int, float))
+                     and not isinstance(self.prefill_pruning, bool)
                      and 0 < self.prefill_pruning <= 1),
                  "prefill_pruning", "None (off) or a share of blocks in (0, 1]",
                  self.prefill_pruning)
         _require(self.prefill_pruning_layer is None
                  or (isinstance(self.prefill_pruning_layer, int)
+                     and not isinstance(self.prefill_pruning_layer, bool)
                      and self.prefill_pruning_layer >= 1),
                  "prefill_pruning_layer", "None or a layer >= 1", self.prefill_pruning_layer)
         _require(isinstance(self.prefill_pruning_min_tokens, int)
+                 and not isinstance(self.prefill_pruning_min_tokens, bool)
                  and self.prefill_pruning_min_tokens >= 1, "prefill_pruning_min_tokens",
                  "a number of tokens >= 1", self.prefill_pruning_min_tokens)

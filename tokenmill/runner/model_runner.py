@@ -10,7 +10,6 @@ their own (a draft model, an EAGLE head).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +29,6 @@ from tokenmill.layers.native import prepare_native_row_ops
 from tokenmill.model.arch import ArchConfig
 from tokenmill.runner.early_exit import EarlyExit, forward_with_exits
 from tokenmill.runner.prefill_pruning import PrefillPruning, forward_with_pruning
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -113,28 +110,9 @@ class ModelRunner:
                               torch.tensor(positions, dtype=torch.int64, device=device),
                               layout, attention, [requests[i].request_id for i in order])
         if self.pruning is not None:
-            self._plan_pruning(batch, [requests[i] for i in order])
+            batch.prune, batch.pruned = self.pruning.plan(
+                [requests[i] for i in order], self.block_size)
         return batch
-
-    def _plan_pruning(self, batch: PreparedBatch, requests: list[ScheduledRequest]) -> None:
-        pruning = self.pruning
-        for slot, request in enumerate(requests):
-            if request.num_computed_tokens == 0:  # a prompt (again, after a preemption)
-                pruning.dropped.pop(request.request_id, None)
-                if (request.sampling is not None and request.num_spec_tokens == 0
-                        and request.num_new_tokens >= max(pruning.min_tokens,
-                                                          2 * self.block_size)):
-                    batch.prune.append(slot)
-            elif (not request.is_decode and request.sampling is not None
-                  and request.num_computed_tokens + request.num_new_tokens
-                  >= pruning.min_tokens and not pruning.warned_chunked):
-                # The last chunk of a chunked prompt: too late to prune it.
-                pruning.warned_chunked = True
-                logger.warning("prefill pruning: a prompt was prefilled in chunks and is "
-                               "not pruned (pruning needs the whole prompt in one step: "
-                               "raise --max-num-batched-tokens above the prompt length)")
-        batch.pruned = bool(batch.prune) or any(r.request_id in pruning.dropped
-                                                for r in requests)
 
     def forward(self, batch: PreparedBatch, hidden: torch.Tensor | None = None
                 ) -> torch.Tensor:

@@ -28,13 +28,17 @@ tokens, and the others bring their own per-layer rows.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.attention.base import AttentionContext, BatchLayout
+from tokenmill.core.step import ScheduledRequest
 from tokenmill.layers.rotary import apply_rotary
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +56,27 @@ class PrefillPruning:
     def release(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.dropped.pop(request_id, None)
+
+    def plan(self, requests: list[ScheduledRequest], block_size: int
+             ) -> tuple[list[int], bool]:
+        """For a step's requests in batch order: the slots of whole prompts to prune,
+        and whether any request runs with dropped blocks (from this step or before)."""
+        prune = []
+        for slot, request in enumerate(requests):
+            if request.num_computed_tokens == 0:  # a prompt (again, after a preemption)
+                self.dropped.pop(request.request_id, None)
+                if (request.sampling is not None and request.num_spec_tokens == 0
+                        and request.num_new_tokens >= max(self.min_tokens, 2 * block_size)):
+                    prune.append(slot)
+            elif (not request.is_decode and request.sampling is not None
+                  and request.num_computed_tokens + request.num_new_tokens >= self.min_tokens
+                  and not self.warned_chunked):
+                # The last chunk of a chunked prompt: too late to prune it.
+                self.warned_chunked = True
+                logger.warning("prefill pruning: a prompt was prefilled in chunks and is "
+                               "not pruned (pruning needs the whole prompt in one step: "
+                               "raise --max-num-batched-tokens above the prompt length)")
+        return prune, bool(prune) or any(r.request_id in self.dropped for r in requests)
 
 
 def kept_blocks(mass: torch.Tensor, keep: float) -> list[int]:
