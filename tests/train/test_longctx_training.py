@@ -6,6 +6,7 @@ token for token as transformers does."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -15,6 +16,7 @@ from transformers import AutoModelForCausalLM
 from tests.train.conftest import tiny_preset
 from tokenmill import LLM, SamplingParams
 from tokenmill.train.longctx import (
+    FACT,
     LongContextRecipe,
     LongPhase,
     RowMaker,
@@ -65,6 +67,41 @@ def test_a_task_row_masks_exactly_its_answer(tiny_tokenizer_dir, tiny_train_text
             assert all(row_mask[first:first + len(answer)])  # one contiguous answer
     item = make_item("needle", 1, tiny_train_texts, 200, rows.count)
     assert answer_text(item) == f" {item.answer}\n"
+
+
+def test_extra_questions_ask_other_planted_keys_with_their_values(tiny_tokenizer_dir,
+                                                                  tiny_train_texts):
+    tokenizer = load_tokenizer(tiny_tokenizer_dir)
+    code = code_tokens(tokenizer, tiny_train_texts)
+    recipe = replace(RECIPE, extra_questions=3, kind_weights=(0.0, 1.0, 0.0, 0.0))
+    rows = RowMaker(tokenizer, tiny_train_texts, code, recipe)
+    asked = 0
+    for _ in range(4):
+        ids, mask, kinds = rows.batch(512, 2)
+        for row_ids, row_mask, kind in zip(ids.tolist(), mask.tolist(), kinds, strict=True):
+            if kind is None:  # the item ran past the row: a plain code row
+                continue
+            assert kind == "multi-key"
+            text = tokenizer.decode(row_ids[:max(i for i, m in enumerate(row_mask) if m) + 1])
+            facts = dict(FACT.findall(text))
+            questions = re.findall(r"^assert KEY_(\w+) == (\d+)$", text, re.MULTILINE)
+            # The item's own and up to 3 more, as many as the row has room for.
+            assert 1 <= len(questions) <= 4
+            room = 512 - len(tokenizer.encode(text, add_special_tokens=False))
+            assert len(questions) == min(4, len(facts)) or room < 2 * len(tokenizer.encode(
+                f"assert KEY_{questions[0][0]} == {questions[0][1]}\n",
+                add_special_tokens=False))
+            assert len({name for name, _ in questions}) == len(questions)
+            for name, value in questions:  # every answer is the value planted for its key
+                assert facts[name] == value
+            answers = tokenizer.decode([t for t, m in zip(row_ids, row_mask, strict=True) if m])
+            assert answers.split() == [value for _, value in questions]
+            asked += len(questions) - 1
+    assert asked >= 8
+    with pytest.raises(ValueError, match="kind_weights"):
+        replace(RECIPE, kind_weights=(1.0, 1.0))
+    with pytest.raises(ValueError, match="extra_questions"):
+        replace(RECIPE, extra_questions=-1)
 
 
 def test_a_later_stage_with_another_seed_draws_other_items(tiny_tokenizer_dir,

@@ -83,6 +83,12 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="override the recipe's phases: STEPS:SEQ_LEN:BATCH:TIME_SHARE,...")
     longctx.add_argument("--peak-lr", type=float, default=None, help="override the recipe's")
     longctx.add_argument("--seed", type=int, default=None, help="override the recipe's (0)")
+    longctx.add_argument("--extra-questions", type=int, default=None,
+                         help="after a multi-key item's answer, ask up to N of its other "
+                              "keys too (several lookups per context; recipe: 0)")
+    longctx.add_argument("--kind-weights", default=None,
+                         help="task kinds' shares of task rows, KIND:WEIGHT,... "
+                              "(unnamed kinds keep 1), e.g. multi-key:3")
     longctx.add_argument("--eval-per-kind", type=int, default=20,
                          help="held-out task items per kind and length scored after training")
     longctx.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
@@ -194,6 +200,22 @@ def _run_sft(args: argparse.Namespace) -> int:
     return 0
 
 
+def kind_weights(text: str) -> tuple[float, ...]:
+    """`--kind-weights` (KIND:WEIGHT,...) as weights in KINDS order."""
+    from tokenmill.train.longctx_tasks import KINDS
+
+    weights = dict.fromkeys(KINDS, 1.0)
+    for part in text.split(","):
+        kind, _, weight = part.partition(":")
+        if kind not in weights:
+            raise ValueError(f"--kind-weights: unknown kind {kind!r} (kinds: {', '.join(KINDS)})")
+        try:
+            weights[kind] = float(weight)
+        except ValueError:
+            raise ValueError(f"--kind-weights: {part!r} is not KIND:WEIGHT") from None
+    return tuple(weights.values())
+
+
 def _run_longctx(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
@@ -217,6 +239,10 @@ def _run_longctx(args: argparse.Namespace) -> int:
     recipe = replace(recipe, phases=phases,
                      peak_lr=args.peak_lr if args.peak_lr is not None else recipe.peak_lr,
                      seed=args.seed if args.seed is not None else recipe.seed)
+    if args.extra_questions is not None:
+        recipe = replace(recipe, extra_questions=args.extra_questions)
+    if args.kind_weights:
+        recipe = replace(recipe, kind_weights=kind_weights(args.kind_weights))
     train, held_out = split_sources(read_sources(args.corpus_root))
     held_out_texts = [source.text for source in held_out]
     log = train_long_context(args.init_from, args.out, [source.text for source in train],

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from tokenmill.train.tokenizer import END_OF_TEXT, copy_tokenizer_files, load_to
 
 TRAIN_SEED_BASE = 1_000_000
 SEED_STRIDE = 100_000  # item seeds of recipe seed s: BASE + s * STRIDE + 1, 2, ...
+FACT = re.compile(r"^KEY_(\w+) = (\d+)$", re.MULTILINE)  # a planted multi-key fact
 EVAL_MAX_TOKENS = 24  # the longest answer (three values of multi-value) fits
 
 
@@ -68,7 +70,20 @@ class LongContextRecipe:
     grad_clip: float = 1.0
     task_share: float = 0.75  # of rows
     answer_weight: float = 1.0
+    # After a multi-key item's answer, ask up to this many of its other planted keys
+    # (`assert KEY_<b> == <value>` lines, every value an answer): several lookups per
+    # context, as in associative-recall training (MQAR), instead of one per row.
+    extra_questions: int = 0
+    kind_weights: tuple[float, ...] = (1.0,) * len(KINDS)  # of task rows, in KINDS order
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.extra_questions < 0:
+            raise ValueError(f"extra_questions must be >= 0, got {self.extra_questions}")
+        if (len(self.kind_weights) != len(KINDS) or min(self.kind_weights) < 0
+                or not sum(self.kind_weights)):
+            raise ValueError(f"kind_weights: {len(KINDS)} weights >= 0 ({', '.join(KINDS)}),"
+                             f" not all zero, got {self.kind_weights}")
 
     @property
     def total_steps(self) -> int:
@@ -114,7 +129,9 @@ class RowMaker:
         """(ids, answer mask, the item's kind or None for a code row)."""
         if self.rng.random() >= self.recipe.task_share:
             return self.code_window(seq_len), [0] * seq_len, None
-        kind = self.rng.choice(KINDS)
+        weights = self.recipe.kind_weights
+        kind = (self.rng.choice(KINDS) if len(set(weights)) == 1  # the earlier stages' draw
+                else self.rng.choices(KINDS, weights=weights)[0])
         length = self.rng.randint(max(128, seq_len // 8), seq_len - 64)
         self.items += 1
         try:
@@ -126,10 +143,26 @@ class RowMaker:
         prompt, answer = self.encode(item.prompt), self.encode(answer_text(item))
         if len(prompt) + len(answer) >= seq_len:  # the item ran long: no cut answers
             return self.code_window(seq_len), [0] * seq_len, None
-        ids = prompt + answer + [self.eot]
-        mask = [0] * len(prompt) + [1] * len(answer) + [0]
+        ids, mask = prompt + answer, [0] * len(prompt) + [1] * len(answer)
+        if kind == "multi-key":
+            for question, value in self.extra_lookups(item):
+                if len(ids) + len(question) + len(value) >= seq_len:
+                    break
+                ids += question + value
+                mask += [0] * len(question) + [1] * len(value)
+        ids, mask = ids + [self.eot], mask + [0]
         fill = seq_len - len(ids)
         return ids + self.code_window(fill), mask + [0] * fill, kind
+
+    def extra_lookups(self, item: LongContextItem) -> list[tuple[list[int], list[int]]]:
+        """(question ids, answer ids) for up to `extra_questions` of the item's other
+        planted keys, in random order."""
+        facts = FACT.findall(item.prompt)
+        asked = item.prompt.rsplit("KEY_", 1)[1].split(" ", 1)[0]
+        others = [(name, value) for name, value in facts if name != asked]
+        self.rng.shuffle(others)
+        return [(self.encode(f"assert KEY_{name} =="), self.encode(f" {value}\n"))
+                for name, value in others[:self.recipe.extra_questions]]
 
     def batch(self, seq_len: int, batch_size: int
               ) -> tuple[torch.Tensor, torch.Tensor, list[str | None]]:
