@@ -10,6 +10,7 @@ from pathlib import Path
 
 from tokenmill.train.corpus import HELD_OUT_BUCKETS
 from tokenmill.train.curve import moving_average
+from tokenmill.train.longctx_tasks import KINDS
 
 
 def write_longctx_card(model_dir: Path) -> Path:
@@ -65,10 +66,24 @@ def _stage_lines(number: int, stage: dict) -> list[str]:
         f"{recipe['min_lr_ratio']}x (following the larger of step and time progress), "
         f"gradient clipping {recipe['grad_clip']}, seed {recipe['seed']}, task rows "
         f"{recipe['task_share']} of all. Loss: mean cross-entropy over every token plus "
-        f"{recipe['answer_weight']} x the mean over the answer tokens.",
+        f"{recipe['answer_weight']} x the mean over the answer tokens." + _task_mix(recipe),
         "",
     ]
     return lines
+
+
+def _task_mix(recipe: dict) -> str:
+    """The stage's task knobs where they differ from the defaults (a log written before
+    they existed has neither)."""
+    said = ""
+    weights = recipe.get("kind_weights")
+    if weights and len(set(weights)) > 1:
+        said += " Task kinds drawn in proportion " + ", ".join(
+            f"{kind} {weight:g}" for kind, weight in zip(KINDS, weights, strict=True)) + "."
+    if recipe.get("extra_questions"):
+        said += (f" After a multi-key item's answer, up to {recipe['extra_questions']} of its"
+                 " other planted keys asked too (each value an answer).")
+    return said
 
 
 def render_longctx_card(name: str, log: dict, config: dict, weights: int) -> str:
