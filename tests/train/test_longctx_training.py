@@ -161,8 +161,14 @@ def test_a_short_run_extends_the_context_and_serves_like_transformers(
     assert (out / "loss_curve.png").is_file()
     # A second stage continues the log: both stages, one curve.
     again = train_long_context(out, tmp_path / "longer", tiny_train_texts,
-                               tiny_held_out_texts, replace(RECIPE, phases=RECIPE.phases[:1]))
+                               tiny_held_out_texts,
+                               replace(RECIPE, phases=RECIPE.phases[:1], extra_questions=2,
+                                       kind_weights=(1.0, 3.0, 1.0, 1.0)))
     assert [s["phase_steps"] for s in again["stages"]] == [[4, 2], [4]]
     assert [h["step"] for h in again["history"]] == list(range(1, 11))
     assert again["init_from"] == str(base_model)
-    assert "Stage 2" in write_longctx_card(tmp_path / "longer").read_text()
+    card = write_longctx_card(tmp_path / "longer").read_text()
+    first, second = card.split("Stage 2")  # each stage says its own task mix
+    assert "asked too" not in first and "in proportion" not in first
+    assert "up to 2 of its other planted keys asked too" in second
+    assert "in proportion needle 1, multi-key 3, multi-value 1, code 1." in second
