@@ -172,3 +172,22 @@ def test_a_short_run_extends_the_context_and_serves_like_transformers(
     assert "asked too" not in first and "in proportion" not in first
     assert "up to 2 of its other planted keys asked too" in second
     assert "in proportion needle 1, multi-key 3, multi-value 1, code 1." in second
+
+
+def test_the_task_knobs_are_checked_when_the_command_line_is_read(capsys):
+    from tokenmill.train.cli import _build_parser
+
+    parser = _build_parser()
+    base = ["longctx", "--init-from", "a", "--out", "b"]
+    args = parser.parse_args(base + ["--kind-weights", "multi-key:4,code:0.5",
+                                     "--extra-questions", "8"])
+    assert args.kind_weights == (1.0, 4.0, 1.0, 0.5) and args.extra_questions == 8
+    for flag, value, message in (("--kind-weights", "multikey:2", "unknown kind 'multikey'"),
+                                 ("--kind-weights", "code:x", "is not KIND:WEIGHT"),
+                                 ("--kind-weights", "code:-1", "must be >= 0"),
+                                 ("--kind-weights", "needle:0,multi-key:0,multi-value:0,code:0",
+                                  "must not all be zero"),
+                                 ("--extra-questions", "-2", "must be >= 0")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(base + [flag, value])
+        assert message in capsys.readouterr().err

@@ -83,10 +83,10 @@ def _build_parser() -> argparse.ArgumentParser:
                          help="override the recipe's phases: STEPS:SEQ_LEN:BATCH:TIME_SHARE,...")
     longctx.add_argument("--peak-lr", type=float, default=None, help="override the recipe's")
     longctx.add_argument("--seed", type=int, default=None, help="override the recipe's (0)")
-    longctx.add_argument("--extra-questions", type=int, default=None,
+    longctx.add_argument("--extra-questions", type=_count, default=None,
                          help="after a multi-key item's answer, ask up to N of its other "
                               "keys too (several lookups per context; recipe: 0)")
-    longctx.add_argument("--kind-weights", default=None,
+    longctx.add_argument("--kind-weights", type=kind_weights, default=None,
                          help="task kinds' shares of task rows, KIND:WEIGHT,... "
                               "(unnamed kinds keep 1), e.g. multi-key:3")
     longctx.add_argument("--eval-per-kind", type=int, default=20,
@@ -208,12 +208,24 @@ def kind_weights(text: str) -> tuple[float, ...]:
     for part in text.split(","):
         kind, _, weight = part.partition(":")
         if kind not in weights:
-            raise ValueError(f"--kind-weights: unknown kind {kind!r} (kinds: {', '.join(KINDS)})")
+            raise argparse.ArgumentTypeError(
+                f"unknown kind {kind!r} (kinds: {', '.join(KINDS)})")
         try:
             weights[kind] = float(weight)
         except ValueError:
-            raise ValueError(f"--kind-weights: {part!r} is not KIND:WEIGHT") from None
+            raise argparse.ArgumentTypeError(f"{part!r} is not KIND:WEIGHT") from None
+        if weights[kind] < 0:
+            raise argparse.ArgumentTypeError(f"{part!r}: a weight must be >= 0")
+    if not sum(weights.values()):
+        raise argparse.ArgumentTypeError("the weights must not all be zero")
     return tuple(weights.values())
+
+
+def _count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def _run_longctx(args: argparse.Namespace) -> int:
@@ -242,7 +254,7 @@ def _run_longctx(args: argparse.Namespace) -> int:
     if args.extra_questions is not None:
         recipe = replace(recipe, extra_questions=args.extra_questions)
     if args.kind_weights:
-        recipe = replace(recipe, kind_weights=kind_weights(args.kind_weights))
+        recipe = replace(recipe, kind_weights=args.kind_weights)
     train, held_out = split_sources(read_sources(args.corpus_root))
     held_out_texts = [source.text for source in held_out]
     log = train_long_context(args.init_from, args.out, [source.text for source in train],
