@@ -184,9 +184,9 @@ def test_the_task_knobs_are_checked_when_the_command_line_is_read(capsys):
     assert args.kind_weights == (1.0, 4.0, 1.0, 0.5) and args.extra_questions == 8
     for flag, value, message in (("--kind-weights", "multikey:2", "unknown kind 'multikey'"),
                                  ("--kind-weights", "code:x", "is not KIND:WEIGHT"),
-                                 ("--kind-weights", "code:-1", "must be >= 0"),
+                                 ("--kind-weights", "code:-1", "weights >= 0"),
                                  ("--kind-weights", "needle:0,multi-key:0,multi-value:0,code:0",
-                                  "must not all be zero"),
+                                  "not all zero"),
                                  ("--extra-questions", "-2", "must be >= 0")):
         with pytest.raises(SystemExit):
             parser.parse_args(base + [flag, value])

@@ -201,7 +201,9 @@ def _run_sft(args: argparse.Namespace) -> int:
 
 
 def kind_weights(text: str) -> tuple[float, ...]:
-    """`--kind-weights` (KIND:WEIGHT,...) as weights in KINDS order."""
+    """`--kind-weights` (KIND:WEIGHT,...) as weights in KINDS order (checked as the
+    recipe checks them)."""
+    from tokenmill.train.longctx import check_kind_weights
     from tokenmill.train.longctx_tasks import KINDS
 
     weights = dict.fromkeys(KINDS, 1.0)
@@ -214,10 +216,10 @@ def kind_weights(text: str) -> tuple[float, ...]:
             weights[kind] = float(weight)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{part!r} is not KIND:WEIGHT") from None
-        if weights[kind] < 0:
-            raise argparse.ArgumentTypeError(f"{part!r}: a weight must be >= 0")
-    if not sum(weights.values()):
-        raise argparse.ArgumentTypeError("the weights must not all be zero")
+    try:
+        check_kind_weights(tuple(weights.values()))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
     return tuple(weights.values())
 
 

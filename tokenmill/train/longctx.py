@@ -80,14 +80,18 @@ class LongContextRecipe:
     def __post_init__(self) -> None:
         if self.extra_questions < 0:
             raise ValueError(f"extra_questions must be >= 0, got {self.extra_questions}")
-        if (len(self.kind_weights) != len(KINDS) or min(self.kind_weights) < 0
-                or not sum(self.kind_weights)):
-            raise ValueError(f"kind_weights: {len(KINDS)} weights >= 0 ({', '.join(KINDS)}),"
-                             f" not all zero, got {self.kind_weights}")
+        check_kind_weights(self.kind_weights)
 
     @property
     def total_steps(self) -> int:
         return sum(p.steps for p in self.phases)
+
+
+def check_kind_weights(weights: tuple[float, ...]) -> None:
+    """ValueError unless `weights` holds one weight >= 0 per kind, not all zero."""
+    if len(weights) != len(KINDS) or min(weights) < 0 or not sum(weights):
+        raise ValueError(f"kind_weights: {len(KINDS)} weights >= 0 ({', '.join(KINDS)}), "
+                         f"not all zero, got {weights}")
 
 
 def answer_text(item: LongContextItem) -> str:
