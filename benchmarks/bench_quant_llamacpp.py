@@ -63,11 +63,12 @@ def tokenmill_decode(llm: LLM, rng: random.Random, prompt: int, new_tokens: int)
 
 
 def tokenmill_llm(model_dir: Path, spec: str, args: argparse.Namespace) -> LLM:
-    """An engine for `method[@attention_backend]`."""
+    """An engine for `method[@attention_backend]` (the engine's default backend unless
+    one is named)."""
     method, _, backend = spec.partition("@")
+    chosen = {"attention_backend": backend} if backend else {}
     return LLM(str(model_dir), progress=False, num_threads=args.threads,
-               kv_cache_memory=2**28, attention_backend=backend or "paged",
-               **method_options(method, args.group_size))
+               kv_cache_memory=2**28, **chosen, **method_options(method, args.group_size))
 
 
 def main() -> int:

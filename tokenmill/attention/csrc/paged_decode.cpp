@@ -1,18 +1,24 @@
 // Decode attention read in place from the paged KV cache: no gathered copy of any
 // request's context, no padding to the longest request.
 //
-// A work item on torch's thread pool is one request's run of consecutive blocks (its
-// whole context, or a share of it when there are fewer requests than threads): for
-// each block in its block table it scores every token's keys against all query heads
-// (the G query heads of a KV head against that head's key), then folds the block into
-// a running softmax per query head (the running maximum, the sum of exponentials and
-// the weighted sum of values, rescaled when the maximum grows). A block is one
-// contiguous run of memory ([block_size][KV heads][head_dim]), read once, front to
-// back, while the next block of the table is prefetched: blocks lie anywhere in the
-// pool, where the hardware prefetcher cannot follow. A request split into several
-// shares has them merged at the end (the shares' maxima rescale their sums), as
-// flash-decoding does on GPUs. float32 throughout; built with -ffast-math for vector
-// exponentials and reassociated dot products.
+// A work item on torch's thread pool is one KV head of one request over a run of its
+// tokens (the whole context, or a share of it when items would be fewer than two per
+// thread): the G query heads that share the KV head are scored against its keys a
+// tile of up to 16 tokens at a time, and each tile is folded into a running softmax
+// per query head (the running maximum, the sum of exponentials and the weighted sum
+// of values, rescaled when the maximum grows). A tile's tokens are found through the
+// block table one by one, so any block size works and a tile may span blocks; the
+// next tile's keys and values are prefetched (blocks lie anywhere in the pool, where
+// the hardware prefetcher cannot follow). A request split into shares has them merged
+// at the end (the shares' maxima rescale their sums), as flash-decoding does on GPUs.
+//
+// With AVX-512 and a head size that is a multiple of 16 (up to 128), a tile's 16
+// scores of a query head come out in one register: each token's dot product is summed
+// into 16 lanes and the 16 partial vectors are folded together by a transposing
+// reduction (45 shuffles and adds instead of 16 horizontal sums), and each query
+// head's weighted sum of values stays in registers through the tile. Elsewhere the
+// plain loops below (dot products and scaled adds) serve. float32 throughout; built
+// with -ffast-math for vector exponentials and reassociated dot products.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -22,64 +28,169 @@
 
 #include "decode_common.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using decode::dot;
 using decode::kNoScore;
 using decode::scale_add;
 
-constexpr int64_t kMinBlocksPerShare = 4;
-inline void prefetch_block(const float* keys, const float* values, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) {
-    __builtin_prefetch(keys + i);
-    __builtin_prefetch(values + i);
-  }
-}
+constexpr int64_t kTile = 16;
+constexpr int64_t kMinTokensPerShare = 64;
 
 struct Geometry {
   int64_t heads, kv_heads, group, head_dim, block_size, width;
 };
 
-// One share of one request: blocks [first, last) of its table, `length` keys in all.
-// Leaves per query head the running maximum, the sum of exponentials and the
-// unnormalised weighted sum of values in `state` ([heads][head_dim + 2]).
-void attend_share(const Geometry& g, const float* query, const float* k_data,
-                  const float* v_data, const int64_t* table, int64_t length, int64_t first,
-                  int64_t last, float scale, float* state, std::vector<float>& scores) {
-  const int64_t stride = g.head_dim + 2, block_floats = g.block_size * g.kv_heads * g.head_dim;
-  for (int64_t h = 0; h < g.heads; ++h) {
+// Where the keys (and, at the same offset, the values) of tokens [start, start + n)
+// of a request's KV head lie; n <= kTile.
+inline void tile_offsets(const Geometry& g, const int64_t* table, int64_t kv, int64_t start,
+                         int64_t n, int64_t* offsets) {
+  const int64_t token_floats = g.kv_heads * g.head_dim;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t position = start + t;
+    offsets[t] = (table[position / g.block_size] * g.block_size + position % g.block_size) *
+                     token_floats + kv * g.head_dim;
+  }
+}
+
+inline void prefetch_tile(const Geometry& g, const float* keys, const float* values,
+                          const int64_t* offsets, int64_t n) {
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < g.head_dim; i += 16) {
+      __builtin_prefetch(keys + offsets[t] + i);
+      __builtin_prefetch(values + offsets[t] + i);
+    }
+}
+
+// The plain form: any head size, any CPU. state: [group][head_dim + 2] for the item's
+// query heads (weighted sum, running maximum, sum of exponentials).
+void fold_tile_plain(const Geometry& g, const float* query, const float* keys,
+                     const float* values, const int64_t* offsets, int64_t n, float scale,
+                     float* state) {
+  const int64_t stride = g.head_dim + 2;
+  float scores[kTile];
+  for (int64_t q = 0; q < g.group; ++q) {
+    const float* qh = query + q * g.head_dim;
+    float* s = state + q * stride;
+    for (int64_t t = 0; t < n; ++t) scores[t] = scale * dot(qh, keys + offsets[t], g.head_dim);
+    decode::fold_block(scores, n, s, g.head_dim, s[g.head_dim], s[g.head_dim + 1]);
+    for (int64_t t = 0; t < n; ++t) scale_add(s, values + offsets[t], scores[t], g.head_dim);
+  }
+}
+
+#if defined(__AVX512F__)
+// Lane t of the result is the sum of the 16 lanes of v[t].
+inline __m512 sum_each(__m512* v) {
+  __m512 pairs[8], quads[4];
+  for (int i = 0; i < 8; ++i)
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
+                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
+  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
+                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88),
+                       _mm512_shuffle_f32x4(low, high, 0xDD));
+}
+
+// The register form, for head_dim = 16 * VECTORS.
+template <int VECTORS>
+void fold_tile_avx512(const Geometry& g, const float* query, const float* keys,
+                      const float* values, const int64_t* offsets, int64_t n, float scale,
+                      float* state) {
+  const int64_t stride = g.head_dim + 2;
+  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
+  alignas(64) float weights[kTile];
+  for (int64_t q = 0; q < g.group; ++q) {
+    __m512 qv[VECTORS];
+    for (int i = 0; i < VECTORS; ++i) qv[i] = _mm512_loadu_ps(query + q * g.head_dim + 16 * i);
+    __m512 partial[kTile];
+    for (int64_t t = 0; t < kTile; ++t) {
+      if (t >= n) {
+        partial[t] = _mm512_setzero_ps();
+        continue;
+      }
+      const float* key = keys + offsets[t];
+      __m512 sum = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+      for (int i = 1; i < VECTORS; ++i) sum = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(key + 16 * i), sum);
+      partial[t] = sum;
+    }
+    const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), live,
+                                             _mm512_mul_ps(sum_each(partial), _mm512_set1_ps(scale)));
+    float* s = state + q * stride;
+    const float top = std::max(s[g.head_dim], _mm512_reduce_max_ps(scores));
+    const float rescale = std::exp(s[g.head_dim] - top);
+    _mm512_store_ps(weights, _mm512_sub_ps(scores, _mm512_set1_ps(top)));
+#pragma omp simd
+    for (int t = 0; t < kTile; ++t) weights[t] = std::exp(weights[t]);  // vector exp (libmvec)
+    const __m512 w = _mm512_maskz_mov_ps(live, _mm512_load_ps(weights));
+    s[g.head_dim] = top;
+    s[g.head_dim + 1] = s[g.head_dim + 1] * rescale + _mm512_reduce_add_ps(w);
+    _mm512_store_ps(weights, w);
+    __m512 acc[VECTORS];
+    const __m512 r = _mm512_set1_ps(rescale);
+    for (int i = 0; i < VECTORS; ++i) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), r);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 p = _mm512_set1_ps(weights[t]);
+      const float* value = values + offsets[t];
+      for (int i = 0; i < VECTORS; ++i)
+        acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * i), acc[i]);
+    }
+    for (int i = 0; i < VECTORS; ++i) _mm512_storeu_ps(s + 16 * i, acc[i]);
+  }
+}
+#endif
+
+using FoldTile = void (*)(const Geometry&, const float*, const float*, const float*,
+                          const int64_t*, int64_t, float, float*);
+
+FoldTile choose_fold(int64_t head_dim) {
+#if defined(__AVX512F__)
+  switch (head_dim) {
+    case 16: return fold_tile_avx512<1>;
+    case 32: return fold_tile_avx512<2>;
+    case 64: return fold_tile_avx512<4>;
+    case 128: return fold_tile_avx512<8>;
+    default: break;
+  }
+#endif
+  return fold_tile_plain;
+}
+
+// One share of one request's KV head: tokens [first, last). Leaves per query head of
+// the group the running maximum, the sum of exponentials and the unnormalised
+// weighted sum of values in `state` ([group][head_dim + 2]).
+void attend_share(const Geometry& g, FoldTile fold, const float* query, const float* k_data,
+                  const float* v_data, const int64_t* table, int64_t kv, int64_t first,
+                  int64_t last, float scale, float* state) {
+  const int64_t stride = g.head_dim + 2;
+  for (int64_t h = 0; h < g.group; ++h) {
     float* s = state + h * stride;
     std::fill(s, s + g.head_dim, 0.0f);
     s[g.head_dim] = kNoScore;  // running maximum
     s[g.head_dim + 1] = 0.0f;  // sum of exponentials
   }
-  for (int64_t b = first; b < last; ++b) {
-    const int64_t start = b * g.block_size;
-    const int64_t count = std::min(g.block_size, length - start);
-    if (count <= 0) break;
-    const float* keys = k_data + table[b] * block_floats;
-    const float* values = v_data + table[b] * block_floats;
-    if (b + 1 < last && start + g.block_size < length)
-      prefetch_block(k_data + table[b + 1] * block_floats, v_data + table[b + 1] * block_floats,
-                     block_floats);
-    // scores[h][t] for the block's tokens, keys read in memory order.
-    for (int64_t t = 0; t < count; ++t)
-      for (int64_t kv = 0; kv < g.kv_heads; ++kv) {
-        const float* key = keys + (t * g.kv_heads + kv) * g.head_dim;
-        for (int64_t q = kv * g.group; q < (kv + 1) * g.group; ++q)
-          scores[q * g.block_size + t] = scale * dot(query + q * g.head_dim, key, g.head_dim);
-      }
-    for (int64_t h = 0; h < g.heads; ++h) {
-      float* score = scores.data() + h * g.block_size;
-      float* s = state + h * stride;
-      decode::fold_block(score, count, s, g.head_dim, s[g.head_dim], s[g.head_dim + 1]);
+  int64_t offsets[2][kTile];
+  int64_t n = std::min(kTile, last - first);
+  if (n > 0) tile_offsets(g, table, kv, first, n, offsets[0]);
+  for (int64_t start = first, tile = 0; start < last; start += kTile, tile ^= 1) {
+    const int64_t next_start = start + kTile;
+    const int64_t next_n = std::min(kTile, last - next_start);
+    if (next_n > 0) {
+      tile_offsets(g, table, kv, next_start, next_n, offsets[tile ^ 1]);
+      prefetch_tile(g, k_data, v_data, offsets[tile ^ 1], next_n);
     }
-    for (int64_t t = 0; t < count; ++t)
-      for (int64_t kv = 0; kv < g.kv_heads; ++kv) {
-        const float* value = values + (t * g.kv_heads + kv) * g.head_dim;
-        for (int64_t q = kv * g.group; q < (kv + 1) * g.group; ++q)
-          scale_add(state + q * stride, value, scores[q * g.block_size + t], g.head_dim);
-      }
+    fold(g, query, k_data, v_data, offsets[tile], n, scale, state);
+    n = next_n;
   }
 }
 
@@ -99,6 +210,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
   const int64_t rows = q.size(0);
   const Geometry g{q.size(1), keys.size(2), q.size(1) / keys.size(2), q.size(2), keys.size(1),
                    tables.size(1)};
+  const FoldTile fold = choose_fold(g.head_dim);
   auto out = torch::empty({rows, q.size(1), q.size(2)}, q.options());
   const int64_t q_stride = q.stride(0);
   const float* q_data = q.data_ptr<float>();
@@ -109,41 +221,42 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
   float* out_data = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
 
-  // Shares per request: enough items for two per thread, none under a few blocks.
+  // Shares per request: enough items for two per thread, none under a few tiles.
   int64_t longest = 0;
-  for (int64_t r = 0; r < rows; ++r) longest = std::max(longest, length_data[r]);
-  const int64_t longest_blocks = (longest + g.block_size - 1) / g.block_size;
+  for (int64_t r = 0; r < rows; ++r)
+    longest = std::max(longest, std::min(length_data[r], g.width * g.block_size));
   const int64_t threads = at::get_num_threads();
+  const int64_t units = rows * g.kv_heads;
   const int64_t shares = std::max<int64_t>(
-      1, std::min((2 * threads + rows - 1) / rows, longest_blocks / kMinBlocksPerShare));
-  const int64_t stride = g.head_dim + 2;
-  std::vector<float> states(rows * shares * g.heads * stride);
+      1, std::min((2 * threads + units - 1) / units, longest / kMinTokensPerShare));
+  const int64_t stride = g.head_dim + 2, item_floats = g.group * stride;
+  std::vector<float> states(units * shares * item_floats);
 
-  at::parallel_for(0, rows * shares, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(g.heads * g.block_size);
+  at::parallel_for(0, units * shares, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / shares, share = item % shares;
-      const int64_t length = length_data[row];
-      const int64_t blocks = std::min((length + g.block_size - 1) / g.block_size, g.width);
-      const int64_t per_share = (blocks + shares - 1) / shares;
-      attend_share(g, q_data + row * q_stride, k_data, v_data,
-                   table_data + row * g.width, length, share * per_share,
-                   std::min(blocks, (share + 1) * per_share), s,
-                   states.data() + item * g.heads * stride, scores);
+      const int64_t unit = item / shares, share = item % shares;
+      const int64_t row = unit / g.kv_heads, kv = unit % g.kv_heads;
+      const int64_t length = std::min(length_data[row], g.width * g.block_size);
+      const int64_t per_share = (length + shares - 1) / shares;
+      attend_share(g, fold, q_data + row * q_stride + kv * g.group * g.head_dim, k_data,
+                   v_data, table_data + row * g.width, kv, share * per_share,
+                   std::min(length, (share + 1) * per_share), s,
+                   states.data() + item * item_floats);
     }
   });
 
   // Merge each request's shares: rescale to the largest maximum, then normalise.
-  for (int64_t row = 0; row < rows; ++row)
-    for (int64_t h = 0; h < g.heads; ++h) {
+  for (int64_t unit = 0; unit < units; ++unit)
+    for (int64_t h = 0; h < g.group; ++h) {
+      const float* first = states.data() + unit * shares * item_floats + h * stride;
       float top = kNoScore;
       for (int64_t share = 0; share < shares; ++share)
-        top = std::max(top, states[((row * shares + share) * g.heads + h) * stride + g.head_dim]);
-      float* target = out_data + (row * g.heads + h) * g.head_dim;
+        top = std::max(top, first[share * item_floats + g.head_dim]);
+      float* target = out_data + (unit * g.group + h) * g.head_dim;
       std::fill(target, target + g.head_dim, 0.0f);
       float total = 0.0f;
       for (int64_t share = 0; share < shares; ++share) {
-        const float* state = states.data() + ((row * shares + share) * g.heads + h) * stride;
+        const float* state = first + share * item_floats;
         if (state[g.head_dim + 1] == 0.0f) continue;  // an empty share
         const float weight = std::exp(state[g.head_dim] - top);
         total += state[g.head_dim + 1] * weight;
