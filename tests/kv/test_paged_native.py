@@ -49,6 +49,11 @@ def test_the_backend_takes_the_kernel_for_one_token_rows_only(monkeypatch, llama
             calls.append(args[0].shape[0])
             return real(*args)
 
+        @staticmethod
+        def write_and_decode(*args):  # a decode-only step: K/V written in the same call
+            calls.append(args[0].shape[0])
+            return kernel.write_and_decode(*args)
+
     monkeypatch.setattr(paged_native, "native_decode", lambda: Spy)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 17, 42, 99, 3], list(range(20, 61))]
@@ -62,3 +67,27 @@ def test_the_backend_takes_the_kernel_for_one_token_rows_only(monkeypatch, llama
                     kv_cache_dtype="int8")
     quantized.generate(prompts, params)
     assert calls == []  # a quantized cache is dequantized by the gather path
+
+
+def test_write_and_decode_stores_the_rows_then_attends():
+    generator = torch.Generator().manual_seed(1)
+    blocks, block_size, kv_heads, head_dim, heads = 64, 16, 2, 64, 14
+    keys = torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator)
+    values = torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator)
+    expected_k, expected_v = keys.clone(), values.clone()
+    # Two rows: contexts of 20 and 37 tokens, each one's new token at its last slot.
+    tables = torch.tensor([[5, 9, 0], [3, 40, 12]])
+    lengths = torch.tensor([21, 38])
+    slots = torch.tensor([9 * block_size + 4, 12 * block_size + 5])
+    # K and V as the model hands them over: strided rows of one fused projection.
+    fused = torch.randn(2, heads + 2 * kv_heads, head_dim, generator=generator)
+    q, k, v = fused.split((heads, kv_heads, kv_heads), dim=1)
+    for row, slot in enumerate(slots.tolist()):
+        expected_k[slot // block_size, slot % block_size] = k[row]
+        expected_v[slot // block_size, slot % block_size] = v[row]
+    out = kernel.write_and_decode(q, k, v, slots, keys, values, tables, lengths, 0.125)
+    assert torch.equal(keys, expected_k) and torch.equal(values, expected_v)
+    assert torch.equal(out, kernel.paged_decode(q, keys, values, tables, lengths, 0.125))
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        kernel.write_and_decode(q, k, v, slots + blocks * block_size, keys, values, tables,
+                                lengths, 0.125)

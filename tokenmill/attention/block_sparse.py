@@ -70,6 +70,7 @@ def head_groups(block_mask: torch.Tensor) -> list[list[int]]:
 
 
 class BlockSparseAttention(PagedNativeAttention):
+    fused_decode = False  # decode rows choose their blocks (_decode)
     name = "block-sparse"  # abstract: subclasses register under their own names
 
     # False: always the gathered route (the tests compare the two).

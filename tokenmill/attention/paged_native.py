@@ -36,6 +36,10 @@ def native_decode():
 
 class PagedNativeAttention(PagedAttention):
     name = "paged-native"
+    # Decode rows attend to every key of their context, so a decode-only step's K/V
+    # write and attention can be one compiled call (a backend that chooses keys, as
+    # the sparse ones do, routes its decode rows through _decode instead).
+    fused_decode = True
 
     def allocate_state(self, kv_caches: list[KVCache]) -> None:
         # Build (or load) the kernel at start-up, not in the first request's decode:
@@ -45,14 +49,37 @@ class PagedNativeAttention(PagedAttention):
                 and cache.data.dtype == torch.float32):
             native_decode()
 
+    def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
+        kernel = self._kernel(q, kv_cache, metadata) if self.fused_decode else None
+        if kernel is None or metadata.num_decode_tokens != q.shape[0]:
+            return super().forward(layer_index, q, k, v, kv_cache, metadata, scale)
+        # Decode rows only: the write and the attention are one compiled call.
+        return kernel.write_and_decode(_heads_contiguous(q), _heads_contiguous(k),
+                                       _heads_contiguous(v), metadata.slot_mapping,
+                                       kv_cache.data[0], kv_cache.data[1],
+                                       metadata.decode_block_tables, metadata.decode_lengths,
+                                       scale)
+
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
                 scale: float, layer_index: int) -> torch.Tensor:
+        kernel = self._kernel(q, kv_cache, metadata)
+        if kernel is None:
+            return super()._decode(q, kv_cache, metadata, scale, layer_index)
+        return kernel.paged_decode(_heads_contiguous(q), kv_cache.data[0], kv_cache.data[1],
+                                   metadata.decode_block_tables, metadata.decode_lengths,
+                                   scale)
+
+    @staticmethod
+    def _kernel(q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata):
+        """The compiled kernel where it applies to this step's decode rows, else None."""
         kernel = native_decode() if q.device.type == "cpu" else None
         if (kernel is None or metadata.decode_lengths is None or kv_cache.quantized
                 or q.dtype != torch.float32 or kv_cache.data.dtype != torch.float32):
-            return super()._decode(q, kv_cache, metadata, scale, layer_index)
-        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # rows may be strided, not heads
-            q = q.contiguous()
-        return kernel.paged_decode(q, kv_cache.data[0], kv_cache.data[1],
-                                   metadata.decode_block_tables, metadata.decode_lengths,
-                                   scale)
+            return None
+        return kernel
+
+
+def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] with each row's heads contiguous (rows may be strided)."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()

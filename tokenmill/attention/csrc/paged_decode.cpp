@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "decode_common.h"
@@ -268,6 +269,39 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
   return out;
 }
 
+// The step's new keys and values k, v [T, KVH, Dh] (rows may be strided) stored at
+// their slots (block * block_size + offset) of the pool, then paged_decode: one call
+// instead of a write and a read per layer.
+torch::Tensor write_and_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v,
+                               torch::Tensor slots, torch::Tensor keys, torch::Tensor values,
+                               torch::Tensor tables, torch::Tensor lengths, double scale) {
+  TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 &&
+                  keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32 &&
+                  slots.dtype() == torch::kInt64 && slots.is_contiguous(),
+              "write_and_decode takes float32 keys and values and int64 slots");
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "the pool must be contiguous");
+  const int64_t token_floats = keys.size(2) * keys.size(3);
+  const int64_t pool_slots = keys.size(0) * keys.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  float* key_pool = keys.data_ptr<float>();
+  float* value_pool = values.data_ptr<float>();
+  for (int64_t t = 0; t < slots.numel(); ++t)  // all checked before any is written
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "write_and_decode: slot out of range");
+  for (const auto& [fresh, pool] : {std::pair{k, key_pool}, std::pair{v, value_pool}}) {
+    TORCH_CHECK(fresh.dim() == 3 && fresh.size(0) == slots.numel() &&
+                    fresh.size(1) * fresh.size(2) == token_floats && fresh.stride(2) == 1 &&
+                    fresh.stride(1) == fresh.size(2),
+                "write_and_decode: k and v are [T, KVH, Dh] with contiguous heads");
+    const float* rows = fresh.data_ptr<float>();
+    for (int64_t t = 0; t < fresh.size(0); ++t)
+      std::copy(rows + t * fresh.stride(0), rows + t * fresh.stride(0) + token_floats,
+                pool + slot[t] * token_floats);
+  }
+  return paged_decode(q, keys, values, tables, lengths, scale);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention in place over a paged KV cache");
+  m.def("write_and_decode", &write_and_decode,
+        "store the step's keys and values at their slots, then paged_decode");
 }
