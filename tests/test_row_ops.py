@@ -1,12 +1,17 @@
 """The compiled per-row operators (layers/csrc/row_ops.cpp) against the torch forms they
 replace: rotary embedding bit for bit (on Q and K side by side in a fused QKV row, as
-the model calls it), RMSNorm to an ulp or two; autograd keeps the torch forms."""
+the model calls it), RMSNorm to an ulp or two, the residual add before a norm bit for
+bit, silu(gate) * up to a few ulp (its own exponential, extremes included); autograd
+keeps the torch forms."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import torch.nn.functional as F
+
+from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.native import native_row_ops
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rotate
@@ -43,6 +48,31 @@ def test_rms_norm_matches_the_torch_form(rows):
     torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_add_and_norm_is_the_add_then_the_norm(rows):
+    norm = RMSNorm(896, 1e-6)
+    norm.weight.data.normal_()
+    residual, delta = torch.randn(rows, 896) * 3, torch.randn(rows, 896)
+    with torch.inference_mode():
+        total, normed = norm.add_and_norm(residual, delta)
+        assert torch.equal(total, residual + delta)
+        assert torch.equal(normed, norm(residual + delta))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_silu_and_mul_matches_the_torch_form(rows):
+    generator = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * 4864, generator=generator) * 4
+    # Where the exponential saturates: silu is 0 (or -0) far below zero, x far above.
+    x[0, :8] = torch.tensor([-1e4, -100.0, -87.5, -20.0, 0.0, 1e-30, 30.0, 1e4])
+    gate, up = x.chunk(2, dim=-1)
+    reference = F.silu(gate) * up
+    with torch.inference_mode():
+        out = silu_and_mul(x)
+    assert out.shape == (rows, 4864)
+    torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-30)
+
+
 def test_autograd_keeps_the_torch_forms():
     norm = RMSNorm(64, 1e-5)
     x = torch.randn(3, 64, requires_grad=True)
@@ -52,6 +82,9 @@ def test_autograd_keeps_the_torch_forms():
     rope = (torch.randn(3, 1, 32), torch.randn(3, 1, 32))
     rotate(q, rope).sum().backward()
     assert q.grad is not None
+    x = torch.randn(3, 64, requires_grad=True)
+    silu_and_mul(x).sum().backward()
+    assert x.grad is not None
 
 
 def test_a_build_killed_mid_compile_does_not_hang_later_starts(tmp_path):

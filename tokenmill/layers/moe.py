@@ -21,9 +21,9 @@ Rows are summed in ascending expert order per token either way, as on one rank.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 
@@ -42,8 +42,7 @@ class Expert(nn.Module):
         return slice(0, size) if shard == "gate" else slice(size, 2 * size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
     def flat_weights(self) -> torch.Tensor:
         """Both projections' checkpoint-layout weights, flattened into one tensor."""

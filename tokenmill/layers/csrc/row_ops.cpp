@@ -5,6 +5,13 @@
 //             The torch form's arithmetic (the two products in the same order, 1 / sqrt
 //             as torch's rsqrt computes it on the CPU); only the order of the mean's
 //             additions differs, which moves a result by an ulp or two.
+//   add_rms_norm  residual + delta, and rms_norm of that sum, in one pass: the sum
+//             rounds as torch's add does, the norm as rms_norm above.
+//   silu_mul  silu(gate) * up for x = [gate | up] per row ([T, 2I] -> [T, I]): silu
+//             rounded to float32 (x / (1 + exp(-x)), the torch form), then the product.
+//             The exponential is computed here (Cody-Waite range reduction and the
+//             Cephes polynomial, within a few ulp of torch's), in a loop the compiler
+//             vectorizes: the C library's would be called once per element.
 //   rotate_   rotary embedding in place on [T, heads, D] (rows may be strided: Q and K
 //             sit side by side in the fused QKV output): for each half pair,
 //             x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, rounded exactly as the
@@ -13,7 +20,45 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+inline void normalize_row(const float* row, const float* w, float* target, int64_t width,
+                          float e) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < width; ++i) sum += row[i] * row[i];
+  const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(width) + e);
+#pragma omp simd
+  for (int64_t i = 0; i < width; ++i) target[i] = w[i] * (row[i] * inverse);
+}
+
+// e^x: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by the polynomial, 2^n through the
+// exponent bits; 0 below -87.3 and infinity above 88.7, as the float32 exponential
+// gives. Written so the compiler vectorizes the loop around it (no floor, no memcpy:
+// neither vectorizes without -ffast-math, which rms_norm's rounding must not have).
+inline float exp_vectorizable(float x) {
+  const float clamped = std::min(88.0f, std::max(-87.0f, x));
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const float n = (clamped * 1.44269504088896341f + kRound) - kRound;
+  float r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = (p * r * r + r + 1.0f) *
+                  __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+  return x > 88.7f ? HUGE_VALF : (x < -87.3f ? 0.0f : y);
+}
+
+}  // namespace
 
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32,
@@ -29,14 +74,60 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* row = in + r * width;
-      float* target = o + r * width;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t i = 0; i < width; ++i) sum += row[i] * row[i];
-      const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(width) + e);
+      normalize_row(in + r * width, w, o + r * width, width, e);
+    }
+  });
+  return out;
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor residual, torch::Tensor delta,
+                                        torch::Tensor weight, double eps) {
+  TORCH_CHECK(residual.dtype() == torch::kFloat32 && delta.dtype() == torch::kFloat32 &&
+                  weight.dtype() == torch::kFloat32, "add_rms_norm takes float32");
+  TORCH_CHECK(residual.is_contiguous() && delta.is_contiguous() && weight.is_contiguous() &&
+                  residual.sizes() == delta.sizes(),
+              "add_rms_norm takes contiguous tensors of one shape");
+  const int64_t width = weight.numel();
+  TORCH_CHECK(residual.size(-1) == width, "add_rms_norm: the last dimension must match the weight");
+  const int64_t rows = residual.numel() / width;
+  auto total = torch::empty_like(residual);
+  auto out = torch::empty_like(residual);
+  const float* a = residual.data_ptr<float>();
+  const float* b = delta.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* t = total.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t at = r * width;
 #pragma omp simd
-      for (int64_t i = 0; i < width; ++i) target[i] = w[i] * (row[i] * inverse);
+      for (int64_t i = 0; i < width; ++i) t[at + i] = a[at + i] + b[at + i];
+      normalize_row(t + at, w, o + at, width, e);
+    }
+  });
+  return {total, out};
+}
+
+torch::Tensor silu_mul(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.size(-1) % 2 == 0,
+              "silu_mul takes contiguous float32 [..., 2 * I]");
+  const int64_t width = x.size(-1) / 2, rows = x.numel() / (2 * width);
+  auto sizes = x.sizes().vec();
+  sizes.back() = width;
+  auto out = torch::empty(sizes, x.options());
+  const float* in = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* gate = in + r * 2 * width;
+      const float* up = gate + width;
+      float* target = o + r * width;
+#pragma omp simd
+      for (int64_t i = 0; i < width; ++i) {
+        const float silu = gate[i] / (1.0f + exp_vectorizable(-gate[i]));
+        target[i] = silu * up[i];
+      }
     }
   });
   return out;
@@ -75,5 +166,7 @@ void rotate_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of x (float32)");
+  m.def("add_rms_norm", &add_rms_norm, "residual + delta and its RMSNorm (float32)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows (float32)");
   m.def("rotate_", &rotate_, "rotary embedding in place on [T, heads, D] (float32)");
 }
