@@ -1,15 +1,17 @@
 // Decode attention read in place from the paged KV cache: no gathered copy of any
 // request's context, no padding to the longest request.
 //
-// A work item on torch's thread pool is one KV head of one request over a run of its
-// tokens (the whole context, or a share of it when items would be fewer than two per
-// thread): the G query heads that share the KV head are scored against its keys a
-// tile of up to 16 tokens at a time, and each tile is folded into a running softmax
-// per query head (the running maximum, the sum of exponentials and the weighted sum
-// of values, rescaled when the maximum grows). A tile's tokens are found through the
-// block table one by one, so any block size works and a tile may span blocks; the
-// next tile's keys and values are prefetched (blocks lie anywhere in the pool, where
-// the hardware prefetcher cannot follow). A request split into shares has them merged
+// A work item on torch's thread pool is one request's run of tokens (its whole
+// context, or a share of it when requests are fewer than two per thread), read a tile
+// of up to 16 tokens at a time with all KV heads (a token's keys for every head are
+// one contiguous row: reading each head's part in a separate item halves the rows
+// the memory streams and measured far slower in the engine, docs/BENCHMARKS.md): per
+// KV head, the G query heads that share it are scored against its keys and the tile
+// is folded into a running softmax per query head (the running maximum, the sum of
+// exponentials and the weighted sum of values, rescaled when the maximum grows). A
+// tile's tokens are found through the block table one by one, so any block size works
+// and a tile may span blocks; the next tile's rows are prefetched (blocks lie
+// anywhere in the pool, where the hardware prefetcher cannot follow). A request split into shares has them merged
 // at the end (the shares' maxima rescale their sums), as flash-decoding does on GPUs.
 //
 // With AVX-512 and a head size that is a multiple of 16 (up to 128), a tile's 16
@@ -47,21 +49,21 @@ struct Geometry {
 };
 
 // Where the keys (and, at the same offset, the values) of tokens [start, start + n)
-// of a request's KV head lie; n <= kTile.
-inline void tile_offsets(const Geometry& g, const int64_t* table, int64_t kv, int64_t start,
-                         int64_t n, int64_t* offsets) {
+// of a request lie (their rows of all KV heads); n <= kTile.
+inline void tile_offsets(const Geometry& g, const int64_t* table, int64_t start, int64_t n,
+                         int64_t* offsets) {
   const int64_t token_floats = g.kv_heads * g.head_dim;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t position = start + t;
     offsets[t] = (table[position / g.block_size] * g.block_size + position % g.block_size) *
-                     token_floats + kv * g.head_dim;
+                 token_floats;
   }
 }
 
 inline void prefetch_tile(const Geometry& g, const float* keys, const float* values,
                           const int64_t* offsets, int64_t n) {
   for (int64_t t = 0; t < n; ++t)
-    for (int64_t i = 0; i < g.head_dim; i += 16) {
+    for (int64_t i = 0; i < g.kv_heads * g.head_dim; i += 16) {
       __builtin_prefetch(keys + offsets[t] + i);
       __builtin_prefetch(values + offsets[t] + i);
     }
@@ -167,14 +169,14 @@ FoldTile choose_fold(int64_t head_dim) {
   return fold_tile_plain;
 }
 
-// One share of one request's KV head: tokens [first, last). Leaves per query head of
-// the group the running maximum, the sum of exponentials and the unnormalised
-// weighted sum of values in `state` ([group][head_dim + 2]).
+// One share of one request: tokens [first, last). Leaves per query head the running
+// maximum, the sum of exponentials and the unnormalised weighted sum of values in
+// `state` ([heads][head_dim + 2]).
 void attend_share(const Geometry& g, FoldTile fold, const float* query, const float* k_data,
-                  const float* v_data, const int64_t* table, int64_t kv, int64_t first,
-                  int64_t last, float scale, float* state) {
+                  const float* v_data, const int64_t* table, int64_t first, int64_t last,
+                  float scale, float* state) {
   const int64_t stride = g.head_dim + 2;
-  for (int64_t h = 0; h < g.group; ++h) {
+  for (int64_t h = 0; h < g.heads; ++h) {
     float* s = state + h * stride;
     std::fill(s, s + g.head_dim, 0.0f);
     s[g.head_dim] = kNoScore;  // running maximum
@@ -182,15 +184,18 @@ void attend_share(const Geometry& g, FoldTile fold, const float* query, const fl
   }
   int64_t offsets[2][kTile];
   int64_t n = std::min(kTile, last - first);
-  if (n > 0) tile_offsets(g, table, kv, first, n, offsets[0]);
+  if (n > 0) tile_offsets(g, table, first, n, offsets[0]);
   for (int64_t start = first, tile = 0; start < last; start += kTile, tile ^= 1) {
     const int64_t next_start = start + kTile;
     const int64_t next_n = std::min(kTile, last - next_start);
     if (next_n > 0) {
-      tile_offsets(g, table, kv, next_start, next_n, offsets[tile ^ 1]);
+      tile_offsets(g, table, next_start, next_n, offsets[tile ^ 1]);
       prefetch_tile(g, k_data, v_data, offsets[tile ^ 1], next_n);
     }
-    fold(g, query, k_data, v_data, offsets[tile], n, scale, state);
+    for (int64_t kv = 0; kv < g.kv_heads; ++kv)
+      fold(g, query + kv * g.group * g.head_dim, k_data + kv * g.head_dim,
+           v_data + kv * g.head_dim, offsets[tile], n, scale,
+           state + kv * g.group * stride);
     n = next_n;
   }
 }
@@ -227,33 +232,31 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
   for (int64_t r = 0; r < rows; ++r)
     longest = std::max(longest, std::min(length_data[r], g.width * g.block_size));
   const int64_t threads = at::get_num_threads();
-  const int64_t units = rows * g.kv_heads;
   const int64_t shares = std::max<int64_t>(
-      1, std::min((2 * threads + units - 1) / units, longest / kMinTokensPerShare));
-  const int64_t stride = g.head_dim + 2, item_floats = g.group * stride;
-  std::vector<float> states(units * shares * item_floats);
+      1, std::min((2 * threads + rows - 1) / rows, longest / kMinTokensPerShare));
+  const int64_t stride = g.head_dim + 2, item_floats = g.heads * stride;
+  std::vector<float> states(rows * shares * item_floats);
 
-  at::parallel_for(0, units * shares, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, rows * shares, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t unit = item / shares, share = item % shares;
-      const int64_t row = unit / g.kv_heads, kv = unit % g.kv_heads;
+      const int64_t row = item / shares, share = item % shares;
       const int64_t length = std::min(length_data[row], g.width * g.block_size);
       const int64_t per_share = (length + shares - 1) / shares;
-      attend_share(g, fold, q_data + row * q_stride + kv * g.group * g.head_dim, k_data,
-                   v_data, table_data + row * g.width, kv, share * per_share,
+      attend_share(g, fold, q_data + row * q_stride, k_data, v_data,
+                   table_data + row * g.width, share * per_share,
                    std::min(length, (share + 1) * per_share), s,
                    states.data() + item * item_floats);
     }
   });
 
   // Merge each request's shares: rescale to the largest maximum, then normalise.
-  for (int64_t unit = 0; unit < units; ++unit)
-    for (int64_t h = 0; h < g.group; ++h) {
-      const float* first = states.data() + unit * shares * item_floats + h * stride;
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t h = 0; h < g.heads; ++h) {
+      const float* first = states.data() + row * shares * item_floats + h * stride;
       float top = kNoScore;
       for (int64_t share = 0; share < shares; ++share)
         top = std::max(top, first[share * item_floats + g.head_dim]);
-      float* target = out_data + (unit * g.group + h) * g.head_dim;
+      float* target = out_data + (row * g.heads + h) * g.head_dim;
       std::fill(target, target + g.head_dim, 0.0f);
       float total = 0.0f;
       for (int64_t share = 0; share < shares; ++share) {
