@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 
 from tokenmill.layers.activation import silu_and_mul
