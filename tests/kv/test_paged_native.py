@@ -91,3 +91,35 @@ def test_write_and_decode_stores_the_rows_then_attends():
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernel.write_and_decode(q, k, v, slots + blocks * block_size, keys, values, tables,
                                 lengths, 0.125)
+
+
+def test_speculative_rows_take_the_kernel_token_by_token(monkeypatch, llama_dir):
+    """A speculative row's tokens (the last real one plus the proposals) are rows of
+    their own for the kernel, each seeing its context and its row's tokens up to it:
+    greedy output equals the gather path's, with and without speculation."""
+    calls = []
+
+    class Spy:
+        @staticmethod
+        def paged_decode(*args):
+            calls.append((args[0].shape[0], args[3].shape[0]))
+            return kernel.paged_decode(*args)
+
+        @staticmethod
+        def write_and_decode(*args):
+            calls.append((args[0].shape[0], args[6].shape[0]))
+            return kernel.write_and_decode(*args)
+
+    monkeypatch.setattr(paged_native, "native_decode", lambda: Spy)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # Repetitive prompts, so n-gram lookup proposes tokens every step.
+    prompts = [[5, 17, 42, 99, 3] * 6, list(range(20, 41)) * 2]
+    spec = {"speculative_method": "ngram", "prompt_lookup_min": 1, "spec_adaptive": False}
+    native = LLM(str(llama_dir), progress=False, attention_backend="paged-native", **spec)
+    gathered = LLM(str(llama_dir), progress=False, attention_backend="paged", **spec)
+    plain = LLM(str(llama_dir), progress=False, attention_backend="paged")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in gathered.generate(prompts, params)] == expected
+    assert [o.outputs[0].token_ids for o in native.generate(prompts, params)] == expected
+    # Some step ran more query tokens than requests through the kernel, one table each.
+    assert any(tokens > 2 and tables == tokens for tokens, tables in calls)

@@ -50,6 +50,11 @@ class PagedMetadata:
     # Keys each one-token decode row attends to (its context and its own token; None
     # with speculative rows): the in-place kernel and the sparse backends read them.
     decode_lengths: torch.Tensor | None = None
+    # With speculative rows (Q > 1), per decode token in batch order: its row's block
+    # table [T, W] and the keys it attends to (its context and its row's tokens up to
+    # itself), so the in-place kernel can take each token as a row of its own.
+    decode_token_tables: torch.Tensor | None = None
+    decode_token_lengths: torch.Tensor | None = None
 
 
 class PagedAttention(AttentionBackend):
@@ -59,9 +64,10 @@ class PagedAttention(AttentionBackend):
         decode_rows = range(layout.num_decode_requests)
         device = layout.device
         query_lens = layout.query_lens
-        tables = query_len = index = mask = lengths = None
+        tables = query_len = index = mask = lengths = per_token = None
         if layout.num_decode_requests:
-            tables, mask, query_len, index, lengths = self._decode_metadata(layout, decode_rows)
+            tables, mask, query_len, index, lengths, per_token = self._decode_metadata(
+                layout, decode_rows)
         prefills = []
         for row in range(layout.num_decode_requests, layout.num_requests):
             start, seq_len = layout.query_start[row], layout.context_lens[row] + query_lens[row]
@@ -69,12 +75,15 @@ class PagedAttention(AttentionBackend):
             prefills.append(PrefillChunk(
                 start, start + query_lens[row], layout.context_lens[row],
                 torch.tensor(used, dtype=torch.int64, device=device)))
+        token_tables, token_lengths = per_token or (None, None)
         return PagedMetadata(layout.slot_mapping, layout.num_decode_tokens, tables, mask,
-                             prefills, query_len or 1, index, lengths)
+                             prefills, query_len or 1, index, lengths, token_tables,
+                             token_lengths)
 
     def _decode_metadata(self, layout: BatchLayout, rows: range
                          ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None,
-                                    torch.Tensor | None]:
+                                    torch.Tensor | None,
+                                    tuple[torch.Tensor, torch.Tensor] | None]:
         device = layout.device
         tables = [layout.block_tables[r] for r in rows]
         width = max(len(t) for t in tables)
@@ -84,7 +93,7 @@ class PagedAttention(AttentionBackend):
                                 device=device)
         key_pos = torch.arange(width * layout.block_size, device=device)
         query_len = max(lengths_list)
-        index = keys = None
+        index = keys = per_token = None
         if query_len == 1:
             mask = (key_pos[None, :] <= contexts[:, None])[:, None, None, :]
             keys = contexts + 1
@@ -101,7 +110,13 @@ class PagedAttention(AttentionBackend):
                                for row, n in enumerate(lengths_list)])
         group = self.spec.num_heads // self.spec.num_kv_heads
         block_tables = torch.tensor(padded, dtype=torch.int64, device=device)
-        return block_tables, group_mask(mask, group), query_len, index, keys
+        if query_len > 1:
+            token_rows = torch.repeat_interleave(
+                torch.arange(len(lengths_list), device=device), lengths)
+            token_offsets = index - token_rows * query_len  # r of each real token
+            per_token = (block_tables.index_select(0, token_rows),
+                         contexts.index_select(0, token_rows) + token_offsets + 1)
+        return block_tables, group_mask(mask, group), query_len, index, keys, per_token
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                  metadata: PagedMetadata) -> None:

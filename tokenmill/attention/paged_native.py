@@ -8,7 +8,8 @@ each request's block table instead: a work item is a request's run of blocks (sp
 into shares when requests are fewer than threads), each block read front to back with
 all heads and folded into a running softmax per query head while the next block is
 prefetched, so the context is read once, where it lies, with no copy and no padding to
-the longest request. Prefill chunks and speculative (multi-token) decode rows, a
+the longest request. A speculative (multi-token) decode row's tokens are rows of
+their own for the kernel, each with its causal key count. Prefill chunks, a
 quantized cache, a non-float32 model or a device without the kernel take the `paged`
 path unchanged. The sums run in another order than SDPA's: outputs agree to float32
 rounding, not bit for bit.
@@ -51,33 +52,39 @@ class PagedNativeAttention(PagedAttention):
 
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
-        kernel = self._kernel(q, kv_cache, metadata) if self.fused_decode else None
-        if kernel is None or metadata.num_decode_tokens != q.shape[0]:
+        routed = self._kernel(q, kv_cache, metadata) if self.fused_decode else None
+        if routed is None or metadata.num_decode_tokens != q.shape[0]:
             return super().forward(layer_index, q, k, v, kv_cache, metadata, scale)
         # Decode rows only: the write and the attention are one compiled call.
+        kernel, tables, lengths = routed
         return kernel.write_and_decode(_heads_contiguous(q), _heads_contiguous(k),
                                        _heads_contiguous(v), metadata.slot_mapping,
-                                       kv_cache.data[0], kv_cache.data[1],
-                                       metadata.decode_block_tables, metadata.decode_lengths,
+                                       kv_cache.data[0], kv_cache.data[1], tables, lengths,
                                        scale)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
                 scale: float, layer_index: int) -> torch.Tensor:
-        kernel = self._kernel(q, kv_cache, metadata)
-        if kernel is None:
+        routed = self._kernel(q, kv_cache, metadata)
+        if routed is None:
             return super()._decode(q, kv_cache, metadata, scale, layer_index)
+        kernel, tables, lengths = routed
         return kernel.paged_decode(_heads_contiguous(q), kv_cache.data[0], kv_cache.data[1],
-                                   metadata.decode_block_tables, metadata.decode_lengths,
-                                   scale)
+                                   tables, lengths, scale)
 
     @staticmethod
     def _kernel(q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata):
-        """The compiled kernel where it applies to this step's decode rows, else None."""
+        """(the compiled kernel, block tables, key counts) for this step's decode
+        tokens, one row each (a speculative row's tokens are rows of their own, each
+        with its causal key count), or None where the kernel does not apply."""
         kernel = native_decode() if q.device.type == "cpu" else None
-        if (kernel is None or metadata.decode_lengths is None or kv_cache.quantized
-                or q.dtype != torch.float32 or kv_cache.data.dtype != torch.float32):
+        if (kernel is None or kv_cache.quantized or q.dtype != torch.float32
+                or kv_cache.data.dtype != torch.float32):
             return None
-        return kernel
+        if metadata.decode_lengths is not None:
+            return kernel, metadata.decode_block_tables, metadata.decode_lengths
+        if metadata.decode_token_lengths is not None:
+            return kernel, metadata.decode_token_tables, metadata.decode_token_lengths
+        return None
 
 
 def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
