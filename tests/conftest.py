@@ -19,6 +19,20 @@ torch.set_num_threads(2)
 os.environ.setdefault("TOKENMILL_AUTO_TUNE", "0")
 
 
+def pytest_sessionstart(session):
+    """Compile (or load) the C++ kernels before any test runs: a fresh checkout builds
+    them (~30 s each on two cores), which must not count against a test server's
+    start-up timeout."""
+    from tokenmill.attention.paged_native import native_decode
+    from tokenmill.attention.retrieval import native_block_sparse
+    from tokenmill.layers.native import native_row_ops
+    from tokenmill.quant.kernels import a8_library, native_library
+
+    for build in (native_row_ops, native_decode, native_block_sparse, native_library,
+                  a8_library):
+        build()
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")

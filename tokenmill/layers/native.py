@@ -25,9 +25,12 @@ def headers(source: Path) -> list[Path]:
 
 
 def build_key(source: Path, extra_cflags: tuple[str, ...] = ()) -> str:
+    # torch's installation path too: its headers' path is part of the build, and
+    # torch rebuilds a module whose build dir another environment compiled (two
+    # virtual environments would take turns recompiling one directory).
     text = (source.read_text() + "".join(h.read_text() for h in headers(source))
-            + torch.__version__ + cpu_signature() + platform.python_version()
-            + " ".join(extra_cflags))
+            + torch.__version__ + str(Path(torch.__file__).parent) + cpu_signature()
+            + platform.python_version() + " ".join(extra_cflags))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
