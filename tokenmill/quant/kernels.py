@@ -86,7 +86,7 @@ def a8_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None) 
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if rows.dtype != torch.float32:
         raise ValueError(f"quantized products take float32 activations, not {rows.dtype}")
     return rows.contiguous()
@@ -165,7 +165,8 @@ class KernelTable:
         else:
             rows = x.numel() // x.shape[-1]
             out = _KERNEL_FUNCTIONS[self.kernel_for(rows)](x, weight, bias)
-        return out.reshape(*x.shape[:-1], weight.out_features)
+        # (The kernels return [rows, out]: already the shape of a 2-D input's product.)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.out_features)
 
 
 def sample_weight(bits: int, out_features: int = 2048, in_features: int = 1024,
