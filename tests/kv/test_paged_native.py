@@ -88,6 +88,8 @@ def test_write_and_decode_stores_the_rows_then_attends():
     out = kernel.write_and_decode(q, k, v, slots, keys, values, tables, lengths, 0.125)
     assert torch.equal(keys, expected_k) and torch.equal(values, expected_v)
     assert torch.equal(out, kernel.paged_decode(q, keys, values, tables, lengths, 0.125))
+    with pytest.raises(RuntimeError, match="one block table and one key count per query"):
+        kernel.paged_decode(q, keys, values, tables[:1], lengths[:1], 0.125)
     with pytest.raises(RuntimeError, match="slot out of range"):
         kernel.write_and_decode(q, k, v, slots + blocks * block_size, keys, values, tables,
                                 lengths, 0.125)

@@ -4,11 +4,12 @@ default backend).
 The `paged` backend gathers every decode row's whole context out of the block pool
 into a padded batch, each layer of each step, and runs one masked SDPA over it. Here
 a small C++ kernel (csrc/paged_decode.cpp, compiled for this CPU at first use) walks
-each request's block table instead: a work item is a request's run of blocks (split
-into shares when requests are fewer than threads), each block read front to back with
-all heads and folded into a running softmax per query head while the next block is
-prefetched, so the context is read once, where it lies, with no copy and no padding to
-the longest request. A speculative (multi-token) decode row's tokens are rows of
+each request's block table instead: a work item is a request's run of tokens (split
+into shares when requests are fewer than threads), read in 16-token tiles of whole
+token rows (all KV heads) and folded into a running softmax per query head while the
+next tile is prefetched, so the context is read once, where it lies, with no copy and
+no padding to the longest request. A decode-only step writes its K/V in the same
+call. A speculative (multi-token) decode row's tokens are rows of
 their own for the kernel, each with its causal key count. Prefill chunks, a
 quantized cache, a non-float32 model or a device without the kernel take the `paged`
 path unchanged. The sums run in another order than SDPA's: outputs agree to float32

@@ -214,6 +214,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
                   values.is_contiguous() && tables.is_contiguous() && lengths.is_contiguous(),
               "paged_decode takes contiguous tensors (q: contiguous heads in each row)");
   const int64_t rows = q.size(0);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows && lengths.numel() == rows,
+              "paged_decode: one block table and one key count per query row");
   const Geometry g{q.size(1), keys.size(2), q.size(1) / keys.size(2), q.size(2), keys.size(1),
                    tables.size(1)};
   const FoldTile fold = choose_fold(g.head_dim);
