@@ -25,11 +25,12 @@ def pytest_sessionstart(session):
     start-up timeout."""
     from tokenmill.attention.paged_native import native_decode
     from tokenmill.attention.retrieval import native_block_sparse
+    from tokenmill.layers import native_linear
     from tokenmill.layers.native import native_row_ops
     from tokenmill.quant.kernels import a8_library, native_library
 
     for build in (native_row_ops, native_decode, native_block_sparse, native_library,
-                  a8_library):
+                  a8_library, native_linear.library):
         build()
 
 

@@ -8,12 +8,15 @@ import pytest
 import torch
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.layers import cpu_blas
+from tokenmill.layers import cpu_blas, native_linear
 from tokenmill.layers.linear import Linear, linear_weight_bytes
 from tokenmill.layers.products import product_policy
 
 KINDS = [pytest.param("onednn", marks=pytest.mark.skipif(
-    not cpu_blas.onednn_available(), reason="torch built without oneDNN")), "numpy"]
+    not cpu_blas.onednn_available(), reason="torch built without oneDNN")), "numpy",
+    pytest.param("native", marks=pytest.mark.skipif(
+        not native_linear.available(), reason="no C++ compiler"))]
+needs_native = pytest.mark.skipif(not native_linear.available(), reason="no C++ compiler")
 
 
 def test_rows_go_one_by_one_up_to_3_and_partial_panels_below_64_are_padded():
@@ -78,6 +81,39 @@ def test_onednn_keeps_one_copy_of_each_weight_unless_it_is_read_elsewhere():
                                tied_plain.weight.detach()[[3, 1]])
 
 
+@needs_native
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 17, 300])
+@pytest.mark.parametrize("shape", [(600, 37), (256, 48), (20, 1)])  # in > one 256 chunk
+def test_native_kernel_at_odd_widths_equals_torch(rows, shape):
+    """Partial blocks of 16 channels, column chunks and row tiles with remainders,
+    with and without a bias."""
+    torch.manual_seed(rows)
+    weight, bias = torch.randn(shape[1], shape[0]), torch.randn(shape[1])
+    x = torch.randn(rows, shape[0])
+    packed = native_linear.pack(weight)
+    assert packed.shape == (-(-shape[1] // 16), shape[0], 16)
+    torch.testing.assert_close(native_linear.unpack(packed, shape[1]), weight, rtol=0, atol=0)
+    for b in (None, bias):
+        got = native_linear.linear(x, packed, native_linear.padded_bias(b, packed), shape[1])
+        expected = x @ weight.t() + (0 if b is None else b)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
+def test_native_keeps_one_copy_checks_shapes_and_saves_the_weight():
+    plain = Linear(40, 24)
+    torch.nn.init.normal_(plain.weight)
+    layer = method_layer(plain, "native")
+    assert layer.weight.numel() == 0
+    assert linear_weight_bytes(layer) == 2 * 40 * 16 * 4  # two blocks of 16 channels
+    torch.testing.assert_close(layer.method.checkpoint_weight(layer), plain.weight.detach(),
+                               rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="columns"):
+        layer(torch.randn(2, 41))
+    with pytest.raises(RuntimeError, match="float32"):
+        layer(torch.randn(2, 40, dtype=torch.float64))
+
+
 def test_layers_built_outside_the_loader_are_plain_and_train():
     layer = Linear(8, 4)
     torch.nn.init.normal_(layer.weight)
@@ -88,23 +124,28 @@ def test_layers_built_outside_the_loader_are_plain_and_train():
 
 
 def test_cpu_products_need_float32_on_cpu(llama_dir):
-    for setting in ("numpy", "onednn"):
+    for setting in ("numpy", "onednn", "native"):
         with pytest.raises(ValueError, match="cpu_blas"):
             LLM(str(llama_dir), progress=False, cpu_blas=setting, dtype="bfloat16")
     with pytest.raises(ValueError, match="cpu_blas"):
         LLM(str(llama_dir), progress=False, cpu_blas="fast")
 
 
-@pytest.mark.parametrize("setting", ["auto", "onednn", "numpy", "torch"])
+@pytest.mark.parametrize("setting", ["auto", "onednn", "numpy", "native", "torch"])
 def test_engine_step_routes_products_and_restores_threads(llama_dir, monkeypatch, setting):
     if setting in ("auto", "onednn") and not cpu_blas.onednn_available():
         pytest.skip("torch built without oneDNN")
-    calls = {"onednn": [], "numpy": []}
+    if setting == "native" and not native_linear.available():
+        pytest.skip("no C++ compiler")
+    calls = {"onednn": [], "numpy": [], "native": []}
     real_onednn, real_numpy = cpu_blas.onednn_linear, cpu_blas.matmul
+    real_native = native_linear.linear
     monkeypatch.setattr(cpu_blas, "onednn_linear", lambda *a: calls["onednn"].append(
         torch.get_num_threads()) or real_onednn(*a))
     monkeypatch.setattr(cpu_blas, "matmul", lambda x, w: calls["numpy"].append(
         torch.get_num_threads()) or real_numpy(x, w))
+    monkeypatch.setattr(native_linear, "linear", lambda *a: calls["native"].append(
+        torch.get_num_threads()) or real_native(*a))
     before = torch.get_num_threads()
     llm = LLM(str(llama_dir), progress=False, cpu_blas=setting)
     llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=3))
@@ -114,6 +155,6 @@ def test_engine_step_routes_products_and_restores_threads(llama_dir, monkeypatch
     if expected == "numpy":
         # torch's own pool is one thread during the step, so it never spins against BLAS.
         assert set(calls["numpy"]) == {1}
-    if expected == "onednn":
-        # oneDNN runs on torch's pool, at its full size.
-        assert set(calls["onednn"]) == {before}
+    if expected in ("onednn", "native"):
+        # oneDNN and the native kernel run on torch's pool, at its full size.
+        assert set(calls[expected]) == {before}

@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from tests.models import FAMILIES
 from tokenmill import LLM, SamplingParams
+from tokenmill.layers import native_linear
 from tokenmill.layers.cpu_blas import onednn_available
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 61)), [7, 7, 7], [300, 12]]
@@ -17,7 +18,9 @@ NEW_TOKENS = 32
 @pytest.mark.parametrize("cpu_blas", [
     pytest.param("onednn", marks=pytest.mark.skipif(not onednn_available(),
                                                     reason="torch built without oneDNN")),
-    "numpy", "torch"])
+    "numpy", "torch",
+    pytest.param("native", marks=pytest.mark.skipif(not native_linear.available(),
+                                                     reason="no C++ compiler"))])
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_tokens_and_logprobs_match_transformers(family, cpu_blas, model_factory):
     check_against_transformers(model_factory(family), cpu_blas=cpu_blas)

@@ -31,8 +31,8 @@ def test_the_probe_runs_once_and_auto_follows_it(tmp_path, monkeypatch):
 
     def fake_measure(shapes, rows, threads, repeats=5, **_):
         probes.append(threads)
-        return {"onednn": dict.fromkeys(rows, 2.0), "numpy": dict.fromkeys(rows, 1.0),
-                "torch": dict.fromkeys(rows, 3.0)}
+        return {c: dict.fromkeys(rows, 1.0 if c == "numpy" else 2.0)
+                for c in table.available_candidates()}
 
     monkeypatch.setattr(table, "measure", fake_measure)
     cpu = torch.device("cpu")
@@ -41,10 +41,19 @@ def test_the_probe_runs_once_and_auto_follows_it(tmp_path, monkeypatch):
     assert len(probes) == 1  # stored for this host and thread count, then read
     assert table.read_table(torch.get_num_threads())["source"] == "probe"
     # A measured "torch" is torch's own products; explicit settings are not overridden.
+    measured = dict.fromkeys(table.available_candidates(), {"1": 1.0})
     table.write_table(torch.get_num_threads(), {"choice": "torch", "threads": 2,
-                                                "source": "tune", "seconds": {}})
+                                                "source": "tune", "seconds": measured})
     assert type(product_policy("auto", cpu, torch.float32)) is ProductPolicy
     assert isinstance(product_policy("numpy", cpu, torch.float32), NumpyProducts)
+    assert len(probes) == 1
+    # A table stored before a candidate existed (here: without "native") is measured
+    # again, so a new kernel is never left out of the choice on hosts tuned earlier.
+    del measured["native"]
+    table.write_table(torch.get_num_threads(), {"choice": "torch", "threads": 2,
+                                                "source": "tune", "seconds": measured})
+    assert isinstance(product_policy("auto", cpu, torch.float32), NumpyProducts)
+    assert len(probes) == 2 and table.read_table(torch.get_num_threads())["source"] == "probe"
     # The test suite's switch: the static rule, nothing measured or read.
     monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "0")
     assert table.auto_choice() == table.static_choice()

@@ -103,7 +103,7 @@ class SchedulerConfig:
         return min(self.chunk_size or self.max_num_batched_tokens, self.max_num_batched_tokens)
 
 
-CPU_BLAS = ("auto", "onednn", "numpy", "torch")
+CPU_BLAS = ("auto", "onednn", "numpy", "native", "torch")
 REASONING_PARSERS = ("auto", "none")
 
 
@@ -124,9 +124,10 @@ class ModelConfig:
     num_threads: int | None = None
     # Who multiplies matrices on the CPU: onednn (oneDNN on weights packed at load),
     # numpy (NumPy's OpenBLAS; torch's own work then runs on one thread during a step),
-    # torch (its MKL build); auto: onednn for float32 on the CPU (numpy where torch
-    # lacks oneDNN), torch otherwise.
-    cpu_blas: Literal["auto", "onednn", "numpy", "torch"] = "auto"
+    # native (tokenmill's own kernel on weights packed at load), torch (its MKL build);
+    # auto: for float32 on the CPU the one measured fastest on this host (`tokenmill
+    # tune`, or a probe at first start), torch otherwise.
+    cpu_blas: Literal["auto", "onednn", "numpy", "native", "torch"] = "auto"
     # auto: split a reasoning model's thinking from its answer and accept thinking
     # budgets when the model declares thinking markers (tokenmill/reasoning.py); none:
     # treat its output as plain text.

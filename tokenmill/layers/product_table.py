@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers import cpu_blas
+from tokenmill.layers import cpu_blas, native_linear
 from tokenmill.layers.timing import CACHE, cpu_signature
 
 logger = logging.getLogger(__name__)
 
-CANDIDATES = ("onednn", "numpy", "torch")
+CANDIDATES = ("onednn", "numpy", "native", "torch")
 PROBE_ROWS = (1, 8, 32, 128)
 # The probe's weights: a Qwen2.5-0.5B-like MLP's three matrices, ~52 MB in float32
 # (over a 32 MB L3, so one-row products stream from memory as a model's do).
@@ -57,7 +57,9 @@ def choose(seconds: dict[str, dict[int, float]]) -> str:
 
 
 def available_candidates() -> list[str]:
-    return [c for c in CANDIDATES if c != "onednn" or cpu_blas.onednn_available()]
+    missing = {"onednn": not cpu_blas.onednn_available(),
+               "native": not native_linear.available()}
+    return [c for c in CANDIDATES if not missing.get(c, False)]
 
 
 def product_function(candidate: str, weight: torch.Tensor) -> Callable[[torch.Tensor], object]:
@@ -65,6 +67,9 @@ def product_function(candidate: str, weight: torch.Tensor) -> Callable[[torch.Te
     if candidate == "onednn":
         packed = cpu_blas.onednn_weight(weight, transposed=False)
         return lambda x: cpu_blas.onednn_linear(x, packed)
+    if candidate == "native":
+        blocks = native_linear.pack(weight)
+        return lambda x: native_linear.linear(x, blocks, None, weight.shape[0])
     wide = weight.shape[0] > weight.shape[1]  # the layout the policies keep wide layers in
     stored = weight.t().contiguous() if wide else weight
     if candidate == "numpy":
@@ -146,6 +151,16 @@ def static_choice() -> str:
     return "onednn" if cpu_blas.onednn_available() else "numpy"
 
 
+def is_current(entry: dict | None) -> bool:
+    """Whether a stored table still decides: its choice is available here, and it
+    measured every candidate available now (one stored before a candidate existed is
+    measured again)."""
+    if entry is None:
+        return False
+    candidates = available_candidates()
+    return entry["choice"] in candidates and set(candidates) <= set(entry.get("seconds", {}))
+
+
 def auto_choice(threads: int | None = None) -> str:
     """This host's measured product path: the cached table, or the probe's (measured
     once, under a lock, so that worker processes starting together measure once).
@@ -155,14 +170,14 @@ def auto_choice(threads: int | None = None) -> str:
     if os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0":
         return static_choice()
     entry = read_table(threads)
-    if entry is not None and (entry["choice"] != "onednn" or cpu_blas.onednn_available()):
+    if is_current(entry):
         return entry["choice"]
     path = table_path(threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         entry = read_table(threads)  # another process may have measured meanwhile
-        if entry is None:
+        if not is_current(entry):
             seconds = measure(list(PROBE_SHAPES), PROBE_ROWS, threads, repeats=3)
             entry = {"source": "probe", "threads": threads, "choice": choose(seconds),
                      "seconds": seconds}

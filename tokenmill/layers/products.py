@@ -5,7 +5,9 @@ product policy, which picks every Linear's method and says what a step needs aro
     onednn  oneDNN on weights packed once at load
     numpy   NumPy's OpenBLAS; torch's own work then runs on one thread during a step,
             so the two thread pools never spin against each other (layers/cpu_blas.py)
-    auto    for float32 on the CPU, whichever of the three was measured fastest on this
+    native  tokenmill's own kernel on weights packed once at load
+            (layers/native_linear.py)
+    auto    for float32 on the CPU, whichever of these was measured fastest on this
             host (layers/product_table.py: `tokenmill tune`, or a start-up probe)
 
 The registry `LINEAR_METHODS` names every method the policies (and, later, weight
@@ -20,14 +22,14 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from tokenmill.layers import cpu_blas
+from tokenmill.layers import cpu_blas, native_linear
 from tokenmill.layers.linear import Linear, LinearSelector
 from tokenmill.layers.linear_method import PLAIN, TRANSPOSED, LinearMethod
 from tokenmill.layers.product_table import auto_choice
 
 LINEAR_METHODS: dict[str, LinearMethod] = {
     method.name: method for method in (PLAIN, TRANSPOSED, cpu_blas.ONEDNN, cpu_blas.NUMPY,
-                                       cpu_blas.NUMPY_TRANSPOSED)
+                                       cpu_blas.NUMPY_TRANSPOSED, native_linear.NATIVE)
 }
 
 
@@ -90,6 +92,14 @@ class OneDNNProducts(ProductPolicy):
         return cpu_blas.onednn_rows(num_rows)
 
 
+class NativeProducts(ProductPolicy):
+    name = "native"
+    repacks_weights = True
+
+    def select(self, prefix: str, layer: Linear) -> LinearMethod:
+        return LINEAR_METHODS["native"]
+
+
 class NumpyProducts(ProductPolicy):
     name = "numpy"
 
@@ -109,14 +119,17 @@ class NumpyProducts(ProductPolicy):
 
 
 def product_policy(setting: str, device: torch.device, dtype: torch.dtype) -> ProductPolicy:
-    """The policy for the `cpu_blas` setting (auto / onednn / numpy / torch)."""
+    """The policy for the `cpu_blas` setting (auto / onednn / numpy / native / torch)."""
     eligible = device.type == "cpu" and dtype == torch.float32
-    if setting in ("onednn", "numpy") and not eligible:
+    if setting in ("onednn", "numpy", "native") and not eligible:
         raise ValueError(f"cpu_blas: {setting!r} needs a float32 model on the CPU, not "
                          f"{dtype} on {device.type}")
     if setting == "onednn" and not cpu_blas.onednn_available():
         raise ValueError("cpu_blas: 'onednn' needs a torch build with oneDNN (mkldnn)")
-    if setting not in ("auto", "onednn", "numpy", "torch"):
+    if setting == "native" and not native_linear.available():
+        raise ValueError("cpu_blas: 'native' needs its kernel compiled, and it could not "
+                         "be (a C++ compiler and torch's headers; see the log)")
+    if setting not in ("auto", "onednn", "numpy", "native", "torch"):
         raise ValueError(f"cpu_blas: no CPU product path {setting!r}")
     if not eligible or setting == "torch":
         return ProductPolicy(device)
@@ -124,4 +137,5 @@ def product_policy(setting: str, device: torch.device, dtype: torch.dtype) -> Pr
         setting = auto_choice()
         if setting == "torch":
             return ProductPolicy(device)
-    return OneDNNProducts(device) if setting == "onednn" else NumpyProducts(device)
+    policies = {"onednn": OneDNNProducts, "numpy": NumpyProducts, "native": NativeProducts}
+    return policies[setting](device)

@@ -1,0 +1,97 @@
+"""Float32 products through tokenmill's own kernel (`--cpu-blas native`).
+
+The weight is packed once at load into blocks of 16 output channels, [blocks, in, 16]
+(csrc/f32_linear.cpp): a block's column is one vector, every block one contiguous
+stream. The kernel shares each loaded column between up to 8 rows and 3 blocks held in
+registers, for every row count: one row streams the weight at the memory's pace
+(oneDNN's packed inner product streamed it at 0.5-0.7 of that on this project's AMD
+hosts), many rows multiply at a rate close to oneDNN's. Measured per host like the
+other paths (`tokenmill tune`, the start-up probe of `--cpu-blas auto`). The packed
+copy replaces the plain weight unless the plain one is read elsewhere (a tied LM
+head's embedding). Sums run in another order than a BLAS does: results differ from
+torch's by rounding.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from tokenmill.layers.linear_method import Linear, PlainLinearMethod
+from tokenmill.layers.native import build_extension
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "f32_linear.cpp"
+LANES = 16
+
+
+@functools.cache  # (no arguments: a lookup per product costs nothing)
+def library():
+    """The compiled kernel (built once per CPU and torch version), or None where it
+    cannot be built."""
+    return build_extension("f32_linear", SOURCE)
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """[out, in] -> [blocks, in, 16], channels past `out` zero."""
+    out_features, in_features = weight.shape
+    blocks = -(-out_features // LANES)
+    padded = weight.detach().new_zeros(blocks * LANES, in_features)
+    padded[:out_features] = weight.detach()
+    return padded.view(blocks, LANES, in_features).transpose(1, 2).contiguous()
+
+
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The [out, in] weight `pack` was given."""
+    blocks, in_features, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * LANES, in_features)[:out_features]
+
+
+def padded_bias(bias: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    padded = bias.detach().new_zeros(packed.shape[0] * LANES)
+    padded[:bias.shape[0]] = bias.detach()
+    return padded
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+           out_features: int) -> torch.Tensor:
+    """x [..., in] @ W.T + bias with W packed by `pack` and bias by `padded_bias`."""
+    if x.dim() == 2:
+        return library().f32_linear(x, packed, bias, out_features)
+    out = library().f32_linear(x.reshape(-1, x.shape[-1]), packed, bias, out_features)
+    return out.view(*x.shape[:-1], out_features)
+
+
+class NativeLinearMethod(PlainLinearMethod):
+    """Loads into the checkpoint layout, then packs once for the kernel (inference only)."""
+
+    name = "native"
+
+    def finalize(self, layer: Linear) -> None:
+        layer.native_weight = pack(layer.weight)
+        layer.native_bias = padded_bias(layer.bias, layer.native_weight)
+        if not layer.keep_weight:
+            # One copy of the weight from here on: the packed one.
+            layer.weight.data = layer.weight.data.new_empty(0)
+
+    def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, layer.native_weight, layer.native_bias, layer.out_features)
+
+    def checkpoint_weight(self, layer: Linear) -> torch.Tensor:
+        if layer.weight.numel():
+            return layer.weight.detach()
+        return unpack(layer.native_weight, layer.out_features)
+
+    def weight_bytes(self, layer: Linear) -> int:
+        packed = layer.native_weight
+        return super().weight_bytes(layer) + packed.numel() * packed.element_size()
+
+
+NATIVE = NativeLinearMethod()
