@@ -109,6 +109,13 @@ def test_absent_peers_are_skipped_with_a_message(tmp_path, monkeypatch):
     assert sum("not installed" in m for m in messages) == 2
     with pytest.raises(ValueError, match="unknown peer"):
         available_peers(["nope"])
+    # llama.cpp in another GGUF type is a peer of its own name (and its own file).
+    q8 = LlamaCppPeer("q8_0")
+    assert (q8.name, q8.outtype, LlamaCppPeer().name) == ("llamacpp-q8_0", "q8_0", "llamacpp")
+    with pytest.raises(ValueError, match="GGUF type"):
+        available_peers(["llamacpp:q3"])
+    with pytest.raises(ValueError, match="unknown peer"):
+        available_peers(["vllm:f16"])
 
 
 def test_transformers_peer_times_every_token_of_every_request(llama_dir):

@@ -198,7 +198,8 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--configs", nargs="+", required=True,
                         help="'name:opt=val,opt=val' ...; the first is the baseline")
-    parser.add_argument("--peers", default="", help="comma-separated: transformers,llamacpp,vllm")
+    parser.add_argument("--peers", default="", help="comma-separated: transformers,llamacpp,"
+                        "vllm; llama.cpp in another GGUF type: llamacpp:q8_0 (f16, bf16)")
     parser.add_argument("--concurrency", default=None,
                         help="comma-separated in-flight limits, 'all' = no limit (default)")
     parser.add_argument("--repeats", type=int, default=2)

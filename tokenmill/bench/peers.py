@@ -235,9 +235,15 @@ class ServerPeer(Peer):
 class LlamaCppPeer(ServerPeer):
     name = "llamacpp"
 
+    OUTTYPES = ("f32", "f16", "bf16", "q8_0")  # what its converter writes
+
     def __init__(self, outtype: str = "f32") -> None:
-        self.outtype = outtype  # GGUF weight type: f32 | f16 | bf16 | q8_0
+        if outtype not in self.OUTTYPES:
+            raise ValueError(f"llamacpp: no GGUF type {outtype!r}; choose from {self.OUTTYPES}")
+        self.outtype = outtype  # GGUF weight type
         self.root = PEERS_DIR / "llamacpp"
+        if outtype != "f32":  # reports name the format: llamacpp-q8_0
+            self.name = f"llamacpp-{outtype}"
 
     @property
     def server_binary(self) -> Path | None:
@@ -314,12 +320,15 @@ PEERS: dict[str, type[Peer]] = {"transformers": TransformersPeer, "llamacpp": Ll
 
 
 def available_peers(names: Sequence[str], log=print) -> list[Peer]:
-    """Instances of the named peers that are installed; the others are reported, skipped."""
+    """Instances of the named peers that are installed; the others are reported, skipped.
+    llama.cpp takes its GGUF type after a colon (`llamacpp:q8_0`; f32 by default)."""
     peers = []
     for name in names:
-        if name not in PEERS:
-            raise ValueError(f"unknown peer {name!r}; known: {sorted(PEERS)}")
-        peer = PEERS[name]()
+        name, _, variant = name.partition(":")
+        if name not in PEERS or (variant and name != "llamacpp"):
+            raise ValueError(f"unknown peer {name + (':' + variant if variant else '')!r}; "
+                             f"known: {sorted(PEERS)} (llamacpp:<gguf type>)")
+        peer = PEERS[name](variant) if variant else PEERS[name]()
         found = peer.detect()
         if found is None:
             log(f"skipping {peer.missing_message()}")
