@@ -10,7 +10,7 @@ import pytest
 from tests.server.conftest import API_KEY, MODEL_NAME, start_server
 from tokenmill.bench import peers as peers_module
 from tokenmill.bench.compare import build_configs, parse_config
-from tokenmill.bench.peers import LlamaCppPeer, VllmPeer, available_peers
+from tokenmill.bench.peers import LlamaCppPeer, VllmPeer, available_peers, peer_name
 from tokenmill.cli import main
 
 ENGINE = ["--num-threads", "1", "--log-level", "error"]
@@ -112,6 +112,8 @@ def test_absent_peers_are_skipped_with_a_message(tmp_path, monkeypatch):
     # llama.cpp in another GGUF type is a peer of its own name (and its own file).
     q8 = LlamaCppPeer("q8_0")
     assert (q8.name, q8.outtype, LlamaCppPeer().name) == ("llamacpp-q8_0", "q8_0", "llamacpp")
+    assert [peer_name(s) for s in ("llamacpp:q8_0", "llamacpp:f32", "vllm")] == \
+        [q8.name, "llamacpp", "vllm"]  # what compare matches to report a peer as skipped
     with pytest.raises(ValueError, match="GGUF type"):
         available_peers(["llamacpp:q3"])
     with pytest.raises(ValueError, match="unknown peer"):

@@ -27,7 +27,7 @@ import torch
 
 from tokenmill.bench.driver import run_engine_workload, warm_up
 from tokenmill.bench.metrics import summarize
-from tokenmill.bench.peers import available_peers
+from tokenmill.bench.peers import available_peers, peer_name
 from tokenmill.bench.report import SystemResult, write_report
 from tokenmill.bench.workload import WorkloadRequest
 from tokenmill.config import EngineConfig
@@ -169,7 +169,8 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
         return build_workload(dataclasses.replace(spec, seed=seed), first.arch.vocab_size,
                               first.tokenizer, first.eos_token_ids)
 
-    skipped = [f"{n} (not installed)" for n in peer_names if n not in {p.name for p in peers}]
+    skipped = [f"{n} (not installed)" for n in peer_names
+               if peer_name(n) not in {p.name for p in peers}]
     results = run_compare(engines, peers, base.model.model, workload_for, levels, args.repeats,
                           skipped=skipped)
     header = {"command": " ".join(sys.argv), "date": datetime.datetime.now(

@@ -319,6 +319,12 @@ PEERS: dict[str, type[Peer]] = {"transformers": TransformersPeer, "llamacpp": Ll
                                 "vllm": VllmPeer}
 
 
+def peer_name(spec: str) -> str:
+    """The name a peer spec reports under: `llamacpp:q8_0` -> llamacpp-q8_0."""
+    base, _, variant = spec.partition(":")
+    return f"{base}-{variant}" if variant and variant != "f32" else base
+
+
 def available_peers(names: Sequence[str], log=print) -> list[Peer]:
     """Instances of the named peers that are installed; the others are reported, skipped.
     llama.cpp takes its GGUF type after a colon (`llamacpp:q8_0`; f32 by default)."""
@@ -333,7 +339,7 @@ def available_peers(names: Sequence[str], log=print) -> list[Peer]:
         if found is None:
             log(f"skipping {peer.missing_message()}")
             continue
-        log(f"peer {name}: {found}")
+        log(f"peer {peer.name}: {found}")
         peers.append(peer)
     return peers
 
