@@ -43,11 +43,11 @@ class Ceilings:
         return flops / (self.matmul_gflops * 1e9)
 
 
-def packed_product(weight: torch.Tensor) -> Linear | None:
-    """A Linear computing x @ weight.T through the engine's oneDNN method (the weight
-    packed once, the plain copy released), or None where torch lacks oneDNN."""
+def packed_product(weight: torch.Tensor, setting: str = "onednn") -> Linear | None:
+    """A Linear computing x @ weight.T through the engine's oneDNN (or native) method
+    (the weight packed once, the plain copy released), or None where it is missing."""
     try:
-        policy = product_policy("onednn", torch.device("cpu"), torch.float32)
+        policy = product_policy(setting, torch.device("cpu"), torch.float32)
     except ValueError:
         return None
     layer = Linear(weight.shape[1], weight.shape[0])
@@ -59,8 +59,8 @@ def packed_product(weight: torch.Tensor) -> Linear | None:
 
 def measure_bandwidth(threads: int, size_mb: int = 512) -> float:
     """GB/s streaming a buffer far larger than the caches: the best of a torch
-    reduction, an OpenBLAS matrix-vector product and a one-row oneDNN product on a
-    packed matrix (all read-bound)."""
+    reduction, an OpenBLAS matrix-vector product and one-row oneDNN and native products
+    on packed matrices (all read-bound)."""
     torch.set_num_threads(threads)
     data = torch.randn(size_mb * 2**20 // 4)
     times = [median_seconds(lambda: data.sum(), 7)]
@@ -68,34 +68,35 @@ def measure_bandwidth(threads: int, size_mb: int = 512) -> float:
     vector = np.ones(4096, dtype=np.float32)
     with threadpool_limits(limits=threads, user_api="blas"):
         times.append(median_seconds(lambda: matrix @ vector, 7))
-    packed = packed_product(data.view(-1, 4096))
-    if packed is not None:
-        del matrix, data
-        row = torch.ones(1, 4096)
-        with torch.inference_mode():
-            times.append(median_seconds(lambda: packed(row), 7))
+    row = torch.ones(1, 4096)
+    for setting in ("onednn", "native"):
+        packed = packed_product(data.view(-1, 4096).clone(), setting)
+        if packed is not None:
+            with torch.inference_mode():
+                times.append(median_seconds(lambda: packed(row), 7))  # noqa: B023
     return size_mb * 2**20 / min(times) / 1e9
 
 
 def measure_matmul(threads: int, n: int = 2048) -> tuple[float, float]:
-    """fp32 GEMM GFLOP/s on n x n matrices: (the best of torch, OpenBLAS and oneDNN on
-    a packed weight, torch's own)."""
+    """fp32 GEMM GFLOP/s on n x n matrices: (the best of torch, OpenBLAS, and oneDNN and
+    the native kernel on packed weights; torch's own)."""
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n), torch.randn(n, n)
     times = [median_seconds(lambda: a @ b, 5)]
     an, bn = a.numpy(), b.numpy()
     with threadpool_limits(limits=threads, user_api="blas"):
         times.append(median_seconds(lambda: an @ bn, 5))
-    packed = packed_product(b.t().contiguous())  # computes a @ b
-    if packed is not None:
-        with torch.inference_mode():
-            times.append(median_seconds(lambda: packed(a), 5))
+    for setting in ("onednn", "native"):
+        packed = packed_product(b.t().contiguous(), setting)  # computes a @ b
+        if packed is not None:
+            with torch.inference_mode():
+                times.append(median_seconds(lambda: packed(a), 5))  # noqa: B023
     return 2 * n**3 / min(times) / 1e9, 2 * n**3 / times[0] / 1e9
 
 
 def machine_ceilings(threads: int | None = None, refresh: bool = False) -> Ceilings:
     threads = threads or torch.get_num_threads()
-    path = CACHE / f"ceilings-v3-{platform.node()}-{threads}t.json"
+    path = CACHE / f"ceilings-v4-{platform.node()}-{threads}t.json"
     if path.is_file() and not refresh:
         return Ceilings(**json.loads(path.read_text()))
     before = torch.get_num_threads()
