@@ -41,8 +41,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """[out, in] -> [blocks, in, 16], channels past `out` zero."""
     out_features, in_features = weight.shape
     blocks = -(-out_features // LANES)
-    padded = weight.detach().new_zeros(blocks * LANES, in_features)
-    padded[:out_features] = weight.detach()
+    padded = weight.detach()
+    if out_features % LANES:
+        padded = padded.new_zeros(blocks * LANES, in_features)
+        padded[:out_features] = weight.detach()
     return padded.view(blocks, LANES, in_features).transpose(1, 2).contiguous()
 
 
