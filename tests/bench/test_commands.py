@@ -114,6 +114,9 @@ def test_absent_peers_are_skipped_with_a_message(tmp_path, monkeypatch):
     assert (q8.name, q8.outtype, LlamaCppPeer().name) == ("llamacpp-q8_0", "q8_0", "llamacpp")
     assert [peer_name(s) for s in ("llamacpp:q8_0", "llamacpp:f32", "vllm")] == \
         [q8.name, "llamacpp", "vllm"]  # what compare matches to report a peer as skipped
+    # vLLM runs with its documented CPU settings: workers bound one per core.
+    _, env = VllmPeer().server_command("m", 8000, 8, threads=2, max_model_len=1024)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["OMP_NUM_THREADS"] == "2"
     with pytest.raises(ValueError, match="GGUF type"):
         available_peers(["llamacpp:q3"])
     with pytest.raises(ValueError, match="unknown peer"):

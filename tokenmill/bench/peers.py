@@ -305,8 +305,12 @@ class VllmPeer(ServerPeer):
 
     def server_command(self, model_dir: str, port: int, max_concurrency: int, threads: int,
                        max_model_len: int) -> tuple[list[str], dict[str, str]]:
-        # KV cache space in GiB for the CPU backend.
+        # The CPU backend's documented settings: KV cache space in GiB, and its OpenMP
+        # workers bound one per core (VLLM_CPU_OMP_THREADS_BIND; our own environment's
+        # values win, so a run can try others).
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+               "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
+                                                           f"0-{threads - 1}"),
                "OMP_NUM_THREADS": str(threads)}
         return ([str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
                  "--model", str(model_dir), "--served-model-name", self.served_name,
