@@ -108,6 +108,16 @@ def test_native_keeps_one_copy_checks_shapes_and_saves_the_weight():
     assert linear_weight_bytes(layer) == 2 * 40 * 16 * 4  # two blocks of 16 channels
     torch.testing.assert_close(layer.method.checkpoint_weight(layer), plain.weight.detach(),
                                rtol=0, atol=0)
+    # The memory plan counts the padded blocks: a router-like 4-row layer takes one
+    # block of 16, a tied head keeps its plain copy beside the packed one.
+    policy = product_policy("native", torch.device("cpu"), torch.float32)
+    for rows, tied in ((24, False), (4, False), (4, True)):
+        reference = Linear(40, rows)
+        reference.keep_weight = tied
+        torch.nn.init.normal_(reference.weight)
+        built = method_layer(reference, "native")
+        assert policy.planned_weight_bytes("x", reference, torch.float32) == \
+            linear_weight_bytes(built)
     with pytest.raises(RuntimeError, match="columns"):
         layer(torch.randn(2, 41))
     with pytest.raises(RuntimeError, match="float32"):
