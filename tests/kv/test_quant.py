@@ -92,3 +92,17 @@ def test_cache_write_then_gather_returns_dequantised_tokens(dtype):
         for got, want in ((keys[0, pos], k[row]), (values[0, pos], v[row])):
             codes, scale = quantize(want, dtype)
             assert torch.equal(got, dequantize(codes, scale, torch.float32))
+
+
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16, torch.int8,
+                                     torch.float8_e4m3fn])
+def test_a_new_pool_reads_zero_everywhere_and_takes_writes(storage):
+    """The CPU pool's memory comes from calloc'd pages (no zeroing pass at start-up):
+    it must still read as zeros in every storage type, scales included, and be writable."""
+    cache = KVCache.allocate(9, 4, 2, 8, storage, torch.float32, torch.device("cpu"))
+    assert cache.data.shape == (2, 9, 4, 2, 8) and cache.data.dtype == storage
+    assert not cache.data.float().any() and cache.data.is_contiguous()
+    if cache.scales is not None:
+        assert cache.scales.shape == (2, 9, 4, 2) and not cache.scales.any()
+    cache.data[1, 8] = torch.ones(4, 2, 8).to(storage)
+    assert cache.data.float().sum() == 4 * 2 * 8 and not cache.data[0].float().any()
