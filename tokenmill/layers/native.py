@@ -87,6 +87,17 @@ def native_row_ops():
     return build_extension("row_ops", ROW_OPS_SOURCE, ("-ffp-contract=off",))
 
 
+def row_ops_for(*tensors: torch.Tensor):
+    """The compiled row operators where they serve these tensors (float32 on the CPU,
+    outside autograd), else None; each caller checks the layout its operator needs."""
+    if torch.is_grad_enabled():
+        return None
+    for tensor in tensors:
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+            return None
+    return native_row_ops()
+
+
 def prepare_native_row_ops(device: torch.device, dtype: torch.dtype) -> None:
     """Build (or load) the operators at start-up rather than in the first request."""
     if device.type == "cpu" and dtype == torch.float32:

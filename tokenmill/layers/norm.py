@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.layers.native import native_row_ops
+from tokenmill.layers.native import row_ops_for
 
 
 class RMSNorm(torch.nn.Module):
@@ -22,9 +22,9 @@ class RMSNorm(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         if dtype == torch.float32:  # the usual CPU case: no casts to dispatch
-            if (x.device.type == "cpu" and not torch.is_grad_enabled() and x.is_contiguous()
-                    and native_row_ops() is not None):
-                return native_row_ops().rms_norm(x, self.weight, self.eps)
+            ops = row_ops_for(x) if x.is_contiguous() else None
+            if ops is not None:
+                return ops.rms_norm(x, self.weight, self.eps)
             return self.weight * (x * x.pow(2).mean(-1, keepdim=True).add_(self.eps).rsqrt_())
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -34,12 +34,9 @@ class RMSNorm(torch.nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """(residual + delta, this norm of it): one compiled call where forward takes
         one (the sum rounds as torch's add)."""
-        if (residual.dtype == torch.float32 and delta.dtype == torch.float32
-                and residual.device.type == "cpu" and not torch.is_grad_enabled()
-                and residual.is_contiguous() and delta.is_contiguous()
-                and residual.shape == delta.shape and native_row_ops() is not None):
-            total, normed = native_row_ops().add_rms_norm(residual, delta, self.weight,
-                                                          self.eps)
-            return total, normed
+        ops = (row_ops_for(residual, delta) if residual.shape == delta.shape
+               and residual.is_contiguous() and delta.is_contiguous() else None)
+        if ops is not None:
+            return ops.add_rms_norm(residual, delta, self.weight, self.eps)
         total = residual + delta
         return total, self(total)

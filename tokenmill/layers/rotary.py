@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.layers.native import native_row_ops
+from tokenmill.layers.native import row_ops_for
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -80,10 +80,8 @@ def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch
     """apply_rotary's result, computed in place in x by one compiled call where it can
     be (float32 on the CPU, inference, contiguous heads; bit-identical: row_ops.cpp)."""
     cos, sin = cos_sin
-    if (x.device.type == "cpu" and x.dtype == torch.float32 and not torch.is_grad_enabled()
-            and x.stride(-1) == 1 and x.stride(-2) == x.shape[-1]):
-        ops = native_row_ops()
-        if ops is not None:
-            ops.rotate_(x, cos.reshape(x.shape[0], -1), sin.reshape(x.shape[0], -1))
-            return x
+    ops = row_ops_for(x) if x.stride(-1) == 1 and x.stride(-2) == x.shape[-1] else None
+    if ops is not None:
+        ops.rotate_(x, cos.reshape(x.shape[0], -1), sin.reshape(x.shape[0], -1))
+        return x
     return apply_rotary(x, cos_sin)
