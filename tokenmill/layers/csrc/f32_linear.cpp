@@ -9,7 +9,7 @@
 // shared by its rows, the columns in chunks of kChunk so a tile's weights stay in L1/L2
 // while every row tile of the product passes over them. At one row that is NB
 // independent streams and sums per thread, which measured faster than one block
-// streamed at a time with four accumulators and a software prefetch (29-36 vs 17 GB/s).
+// streamed at a time with four accumulators and a software prefetch (about 2x).
 // The work is split over torch's threads by groups of blocks (contiguous memory per
 // thread). GCC vector types keep it portable: 16-lane vectors become one AVX-512
 // register, two AVX2 registers or four SSE ones. Sums run in another order than a BLAS
