@@ -128,6 +128,11 @@ class ModelConfig:
     # auto: for float32 on the CPU the one measured fastest on this host (`tokenmill
     # tune`, or a probe at first start), torch otherwise.
     cpu_blas: Literal["auto", "onednn", "numpy", "native", "torch"] = "auto"
+    # Rows of a large batch (a prefill chunk) each MLP runs through at a time, so its
+    # intermediate activations stay cache-sized and their buffers are reused rather
+    # than fresh pages every layer (layers/row_slices.py). None: sized from this
+    # host's last-level cache; 0: the whole batch at once.
+    mlp_slice_rows: int | None = None
     # auto: split a reasoning model's thinking from its answer and accept thinking
     # budgets when the model declares thinking markers (tokenmill/reasoning.py); none:
     # treat its output as plain text.
@@ -150,6 +155,8 @@ class ModelConfig:
         if self.num_threads is not None:
             _require(self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
         _require(self.cpu_blas in CPU_BLAS, "cpu_blas", f"one of {CPU_BLAS}", self.cpu_blas)
+        _require(self.mlp_slice_rows is None or self.mlp_slice_rows >= 0, "mlp_slice_rows",
+                 "None or >= 0", self.mlp_slice_rows)
         _require(self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
                  f"one of {REASONING_PARSERS}", self.reasoning_parser)
 

@@ -26,6 +26,7 @@ from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 from tokenmill.layers.rotary import RotaryEmbedding, rotate
+from tokenmill.layers.row_slices import in_row_slices
 from tokenmill.model.arch import ArchConfig
 
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
@@ -87,12 +88,24 @@ class GatedMLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, parallel="column")
         self.down_proj = Linear(intermediate_size, hidden_size, bias, parallel="row")
+        # Rows of a large batch run through at a time in inference (0: all at once);
+        # the worker sets it (layers/row_slices.py).
+        self.slice_rows = 0
 
     def shard_slice(self, shard: str) -> slice:
         size = self.intermediate_size
         return slice(0, size) if shard == "gate" else slice(size, 2 * size)
 
+    def intermediate_bytes_per_row(self, itemsize: int) -> int:
+        """Bytes of one row's widest intermediate (the fused gate/up output)."""
+        return self.gate_up_proj.out_features * itemsize
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if 0 < self.slice_rows < x.shape[0] and not torch.is_grad_enabled():
+            return in_row_slices(self._forward, x, self.slice_rows, self.down_proj.out_features)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 

@@ -35,6 +35,7 @@ from tokenmill.layers.linear import weight_bytes
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 from tokenmill.layers.products import product_policy
+from tokenmill.layers.row_slices import set_mlp_slice_rows
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import load_model, read_config, resolve_device, resolve_dtype
 from tokenmill.runner.early_exit import EarlyExit
@@ -99,6 +100,7 @@ class Worker:
                             stage=self.stage, expert_slots=self.replicas and
                             self.replicas.initial_slots)
         calibrate(loaded.model, config)  # activation-aware quantization, when configured
+        set_mlp_slice_rows(loaded.model, mcfg.mlp_slice_rows, loaded.dtype.itemsize)
         self.arch, self.device, self.dtype = loaded.arch, loaded.device, loaded.dtype
         self.generation_config = loaded.generation_config
         self.max_model_len = resolve_max_model_len(config, loaded.arch)
