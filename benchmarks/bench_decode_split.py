@@ -1,13 +1,14 @@
-"""Where a single-stream decode token's time goes: the float32 products vs everything else.
+"""Where a decode step's time goes: the float32 products vs everything else.
 
-One request of --prompt random tokens + --new-tokens greedy tokens on the random
-Qwen2.5-0.5B shape (or --model), under --cpu-blas. Each round reports the time per
-output token (TPOT), the time inside the product kernel per token (every Linear's
-call timed; the LM head apart), and then, with the products replaced by zeros of the
-right shape, the TPOT that is left: the engine's own work per token (attention, norms,
-rotary, sampling, scheduling, Python).
+--batch requests (default one) of --prompt random tokens + --new-tokens greedy tokens
+each, all submitted together, on the random Qwen2.5-0.5B shape (or --model), under
+--cpu-blas. Each round reports the time per output token of a request (TPOT: with
+every request in flight, one decode step), the time inside the product kernel per
+decode step (every Linear's call on decode rows timed; the LM head apart), and then,
+with the products replaced by zeros of the right shape, the TPOT that is left: the
+engine's own work per step (attention, norms, rotary, sampling, scheduling, Python).
 
-    python benchmarks/bench_decode_split.py [--cpu-blas native] [--rounds 3]
+    python benchmarks/bench_decode_split.py [--cpu-blas native] [--batch 1] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -34,15 +35,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     model = args.model or str(build_model(MODEL_DIR))
     llm = LLM(model, progress=False, num_threads=args.threads, kv_cache_memory=2**28,
               cpu_blas=args.cpu_blas)
     rng = random.Random(0)
-    prompt = [rng.randrange(1000, 100000) for _ in range(args.prompt)]
+    prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
+               for _ in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    llm.generate([prompt], params)  # warm-up
+    llm.generate(prompts, params)  # warm-up
 
     spent = {"products": 0.0, "head": 0.0}
     real_forward = Linear.forward
@@ -51,7 +54,7 @@ def main() -> None:
         started = time.perf_counter()
         out = real_forward(layer, x)
         elapsed = time.perf_counter() - started
-        if x.numel() == x.shape[-1]:  # one row: a decode token's product
+        if x.numel() <= x.shape[-1] * args.batch:  # decode rows (prompts are longer)
             spent["products"] += elapsed
             if layer.out_features == vocab:
                 spent["head"] += elapsed
@@ -62,16 +65,22 @@ def main() -> None:
 
     vocab = llm.engine.executor.worker.runner.model.lm_head.out_features
     tokens = args.new_tokens - 1  # TPOT counts the tokens after the first
-    print(f"{args.cpu_blas}, prompt {args.prompt} + {args.new_tokens} new, {args.threads} threads")
+    print(f"{args.cpu_blas}, {args.batch} x (prompt {args.prompt} + {args.new_tokens} new), "
+          f"{args.threads} threads")
+
+    def step_time() -> float:
+        outputs = llm.generate(prompts, params)
+        return sum(o.outputs[0].metrics.time_per_output_token for o in outputs) / len(outputs)
+
     for round_ in range(args.rounds):
         spent.update(products=0.0, head=0.0)
         Linear.forward = timed
-        tpot = llm.generate([prompt], params)[0].outputs[0].metrics.time_per_output_token
+        tpot = step_time()
         Linear.forward = zeros
-        rest = llm.generate([prompt], params)[0].outputs[0].metrics.time_per_output_token
+        rest = step_time()
         Linear.forward = real_forward
         print(f"round {round_ + 1}: TPOT {tpot * 1e3:.1f} ms, products "
-              f"{spent['products'] / tokens * 1e3:.1f} ms/token (LM head "
+              f"{spent['products'] / tokens * 1e3:.1f} ms/step (LM head "
               f"{spent['head'] / tokens * 1e3:.1f}), products zeroed: TPOT {rest * 1e3:.2f} ms")
 
 

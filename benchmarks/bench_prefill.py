@@ -1,0 +1,88 @@
+"""Prefill rate per engine configuration, against this host's fp32 GEMM ceiling.
+
+--requests random prompts of --prompt tokens each (prefix caching off) are prefilled
+(one output token) and then generated in full (--new-tokens each) under each
+configuration, one engine at a time, --rounds times. Printed per configuration and
+round: prefill seconds, prompt tokens/s, the products' GFLOP/s (2 x a dense decoder's
+weights per prompt token, the LM head and attention left out), its share of the host's
+GEMM ceiling (`machine_ceilings`), and the whole run's output tokens/s.
+
+    python benchmarks/bench_prefill.py \\
+        --configs "sliced:cpu_blas=native" "whole:cpu_blas=native,mlp_slice_rows=0"
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import MODEL_DIR, build_model  # noqa: E402
+
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.bench.ceilings import machine_ceilings  # noqa: E402
+
+
+def parse_config(text: str) -> tuple[str, dict[str, object]]:
+    """"name:key=value,key=value" -> (name, options); values as ints where they read so."""
+    name, _, rest = text.partition(":")
+    options: dict[str, object] = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        options[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, options
+
+
+def decoder_weights(arch) -> int:
+    """Weights a prompt token multiplies in a dense decoder (the LM head apart)."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    per_layer = arch.hidden_size * (2 * q + 2 * kv) + 3 * arch.hidden_size * arch.intermediate_size
+    return arch.num_layers * per_layer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--configs", nargs="+", default=["native:cpu_blas=native"])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    model = args.model or str(build_model(MODEL_DIR))
+    ceilings = machine_ceilings(args.threads)
+    print(f"ceilings: {ceilings.matmul_gflops:.1f} GFLOP/s fp32 GEMM, "
+          f"{ceilings.bandwidth_gbs:.1f} GB/s ({ceilings.machine}, {args.threads} threads)")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
+               for _ in range(args.requests)]
+    prompt_tokens = args.requests * args.prompt
+    for text in args.configs:
+        name, options = parse_config(text)
+        llm = LLM(model, progress=False, num_threads=args.threads,
+                  enable_prefix_caching=False, **options)
+        flops_per_token = 2 * decoder_weights(llm.engine.executor.worker.runner.arch)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        for round_ in range(args.rounds):
+            started = time.perf_counter()
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
+            prefill = time.perf_counter() - started
+            started = time.perf_counter()
+            llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens,
+                                                 ignore_eos=True))
+            whole = time.perf_counter() - started
+            gflops = prompt_tokens * flops_per_token / prefill / 1e9
+            print(f"{name:<12} round {round_ + 1}: prefill {prefill:6.1f} s "
+                  f"{prompt_tokens / prefill:7.0f} tok/s {gflops:6.1f} GFLOP/s "
+                  f"({gflops / ceilings.matmul_gflops:.2f} of the ceiling); whole "
+                  f"{args.requests} x ({args.prompt} + {args.new_tokens}): "
+                  f"{args.requests * args.new_tokens / whole:6.1f} out tok/s", flush=True)
+        del llm
+
+
+if __name__ == "__main__":
+    main()
