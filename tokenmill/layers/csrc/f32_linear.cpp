@@ -36,9 +36,10 @@ constexpr int kBlockTile = 1;
 constexpr int64_t kChunk = 256;  // columns per pass: 3 blocks x 256 x 64 B = 48 KB
 // Rows per panel: a thread takes its blocks over one panel of rows at a time, so the
 // rows it re-reads for every block group stay in L2 (not the whole x of a 2048-row
-// prefill step from L3: 0.76-0.85x oneDNN there without panels).
+// prefill step from L3; benchmarks/bench_native_rows.py compares panel sizes). 256:
+// an MLP slice (layers/row_slices.py) is one panel.
 #ifndef TM_PANEL
-#define TM_PANEL 128
+#define TM_PANEL 256
 #endif
 constexpr int64_t kPanel = TM_PANEL;
 

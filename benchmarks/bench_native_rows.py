@@ -1,0 +1,64 @@
+"""The native float32 kernel against oneDNN per layer shape and row count (GFLOP/s).
+
+The Qwen2.5-0.5B shape's gate/up, down and QKV products at each --rows count, best of
+several calls each, both libraries on the same random weights. --panels builds the
+native kernel once per row-panel size (the kernel's TM_PANEL; a size above the rows
+means no panels) and reports each beside oneDNN.
+
+    python benchmarks/bench_native_rows.py [--rows 256,2048] [--panels 128,100000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import time
+
+import torch
+
+from tokenmill.layers import cpu_blas, native_linear
+from tokenmill.layers.native import build_extension
+
+SHAPES = ((9728, 896), (896, 4864), (1152, 896))  # (out, in): gate/up, down, QKV
+
+
+def best_rate(fn, flops: float) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(max(6, int(4e10 / flops))):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return flops / best / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="32,256,2048")
+    parser.add_argument("--panels", default="256", help="native builds by TM_PANEL")
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = {int(panel): build_extension("f32_linear", native_linear.SOURCE,
+                                           (f"-DTM_PANEL={int(panel)}",))
+               for panel in args.panels.split(",")}
+    print("out x in, rows: " + ", ".join(f"native panel {p}" for p in kernels)
+          + ", oneDNN (GFLOP/s)")
+    for out_features, in_features in SHAPES:
+        weight = torch.randn(out_features, in_features)
+        packed = native_linear.pack(weight)
+        onednn = cpu_blas.onednn_weight(weight, False) if cpu_blas.onednn_available() else None
+        for rows in map(int, args.rows.split(",")):
+            x = torch.randn(rows, in_features)
+            flops = 2.0 * rows * out_features * in_features
+            calls = [functools.partial(k.f32_linear, x, packed, None, out_features)
+                     for k in kernels.values()]
+            if onednn is not None:
+                calls.append(functools.partial(cpu_blas.onednn_linear, x, onednn))
+            rates = [best_rate(call, flops) for call in calls]
+            print(f"{out_features} x {in_features}, {rows}: "
+                  + ", ".join(f"{r:.1f}" for r in rates), flush=True)
+
+
+if __name__ == "__main__":
+    main()
