@@ -8,6 +8,7 @@ import torch
 from tests.models import FAMILIES
 from tests.test_parity import check_against_transformers
 from tokenmill.config import ModelConfig
+from tokenmill.layers import row_slices
 from tokenmill.layers.linear import bind_linear_methods, finalize_linear_methods
 from tokenmill.layers.products import LINEAR_METHODS
 from tokenmill.layers.row_slices import auto_slice_rows, in_row_slices, set_mlp_slice_rows
@@ -56,12 +57,35 @@ def test_slices_are_for_inference_only():
 
 def test_the_setting_reaches_every_mlp():
     model = torch.nn.Sequential(GatedMLP(8, 16, False), GatedMLP(8, 4096, False))
-    set_mlp_slice_rows(model, 0, 4)
+    cpu = torch.device("cpu")
+    set_mlp_slice_rows(model, 0, 4, cpu)
     assert [m.slice_rows for m in model] == [0, 0]
-    set_mlp_slice_rows(model, 24, 4)
+    set_mlp_slice_rows(model, 24, 4, cpu)
     assert [m.slice_rows for m in model] == [24, 24]
-    set_mlp_slice_rows(model, None, 4)  # sized per width from this host's cache
+    set_mlp_slice_rows(model, None, 4, cpu)  # sized per width from this host's cache
     assert [m.slice_rows for m in model] == [auto_slice_rows(32 * 4), auto_slice_rows(8192 * 4)]
+    set_mlp_slice_rows(model, None, 4, torch.device("meta"))  # a CPU's cache sizes CPU work
+    assert [m.slice_rows for m in model] == [0, 0]
+
+
+def test_the_cache_size_is_read_from_sysfs_or_falls_back(monkeypatch, tmp_path):
+    for name, level, size in (("index0", "1", "32K"), ("index2", "2", "1024K"),
+                              ("index3", "3", "32768K"), ("index4", "4", "bogus")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "level").write_text(level + "\n")
+        (tmp_path / name / "size").write_text(size + "\n")
+    real_path = row_slices.Path
+    monkeypatch.setattr(row_slices, "Path", lambda text: tmp_path if "sys" in text
+                        else real_path(text))
+    row_slices.last_level_cache_bytes.cache_clear()
+    try:
+        assert row_slices.last_level_cache_bytes() == 32 * 2**20  # unreadable level 4 skipped
+        for name in ("index0", "index2", "index3", "index4"):
+            (tmp_path / name / "size").unlink()
+        row_slices.last_level_cache_bytes.cache_clear()
+        assert row_slices.last_level_cache_bytes() == row_slices.FALLBACK_BYTES
+    finally:
+        row_slices.last_level_cache_bytes.cache_clear()
 
 
 def test_a_negative_slice_is_refused_by_name():

@@ -28,6 +28,9 @@ FALLBACK_BYTES = 32 * 2**20
 ROW_STEP = 64  # slices in multiples of 64 rows (whole row tiles of every kernel)
 
 
+_UNITS = {"K": 2**10, "M": 2**20, "G": 2**30}
+
+
 @functools.cache
 def last_level_cache_bytes() -> int:
     """Size of the CPU's largest cache level from sysfs (a fallback where unreadable)."""
@@ -36,10 +39,9 @@ def last_level_cache_bytes() -> int:
         try:
             level = int((index / "level").read_text())
             text = (index / "size").read_text().strip().upper()
+            size = int(text[:-1]) * _UNITS[text[-1]] if text[-1:] in _UNITS else int(text)
         except (OSError, ValueError):
             continue
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        size = int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text)
         if best is None or level > best[0]:
             best = (level, size)
     return best[1] if best else FALLBACK_BYTES
@@ -63,11 +65,16 @@ def in_row_slices(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, r
     return out
 
 
-def set_mlp_slice_rows(model: nn.Module, setting: int | None, itemsize: int) -> None:
-    """Give every sliceable MLP of `model` its slice (`setting` rows; None: sized from
-    the cache for its width; 0: none). A sliceable module has `slice_rows` and
-    `intermediate_bytes_per_row(itemsize)`."""
+def set_mlp_slice_rows(model: nn.Module, setting: int | None, itemsize: int,
+                       device: torch.device) -> None:
+    """Give every sliceable MLP of `model` its slice (`setting` rows; None: on the CPU
+    sized from the cache for its width, elsewhere none; 0: none). A sliceable module
+    has `slice_rows` and `intermediate_bytes_per_row(itemsize)`."""
     for module in model.modules():
-        if hasattr(module, "slice_rows"):
+        if not hasattr(module, "slice_rows"):
+            continue
+        if setting is None:
             module.slice_rows = (auto_slice_rows(module.intermediate_bytes_per_row(itemsize))
-                                 if setting is None else setting)
+                                 if device.type == "cpu" else 0)
+        else:
+            module.slice_rows = setting

@@ -100,7 +100,8 @@ class Worker:
                             stage=self.stage, expert_slots=self.replicas and
                             self.replicas.initial_slots)
         calibrate(loaded.model, config)  # activation-aware quantization, when configured
-        set_mlp_slice_rows(loaded.model, mcfg.mlp_slice_rows, loaded.dtype.itemsize)
+        set_mlp_slice_rows(loaded.model, mcfg.mlp_slice_rows, loaded.dtype.itemsize,
+                           loaded.device)
         self.arch, self.device, self.dtype = loaded.arch, loaded.device, loaded.dtype
         self.generation_config = loaded.generation_config
         self.max_model_len = resolve_max_model_len(config, loaded.arch)
