@@ -58,13 +58,15 @@ def test_slices_are_for_inference_only():
 def test_the_setting_reaches_every_mlp():
     model = torch.nn.Sequential(GatedMLP(8, 16, False), GatedMLP(8, 4096, False))
     cpu = torch.device("cpu")
-    set_mlp_slice_rows(model, 0, 4, cpu)
+    assert set_mlp_slice_rows(model, 0, 4, cpu) == []
     assert [m.slice_rows for m in model] == [0, 0]
-    set_mlp_slice_rows(model, 24, 4, cpu)
+    assert set_mlp_slice_rows(model, 24, 4, cpu) == [24]
     assert [m.slice_rows for m in model] == [24, 24]
-    set_mlp_slice_rows(model, None, 4, cpu)  # sized per width from this host's cache
+    sized = set_mlp_slice_rows(model, None, 4, cpu)  # per width from this host's cache
     assert [m.slice_rows for m in model] == [auto_slice_rows(32 * 4), auto_slice_rows(8192 * 4)]
-    set_mlp_slice_rows(model, None, 4, torch.device("meta"))  # a CPU's cache sizes CPU work
+    assert sized == sorted({auto_slice_rows(32 * 4), auto_slice_rows(8192 * 4)})
+    # A CPU's cache sizes CPU work only.
+    assert set_mlp_slice_rows(model, None, 4, torch.device("meta")) == []
     assert [m.slice_rows for m in model] == [0, 0]
 
 
@@ -88,9 +90,10 @@ def test_the_cache_size_is_read_from_sysfs_or_falls_back(monkeypatch, tmp_path):
         row_slices.last_level_cache_bytes.cache_clear()
 
 
-def test_a_negative_slice_is_refused_by_name():
+@pytest.mark.parametrize("rows", [-1, 2.5, "256", True])
+def test_a_bad_slice_is_refused_by_name(rows):
     with pytest.raises(ValueError, match="mlp_slice_rows"):
-        ModelConfig(mlp_slice_rows=-1)
+        ModelConfig(mlp_slice_rows=rows)
 
 
 def test_in_row_slices_covers_a_ragged_tail():

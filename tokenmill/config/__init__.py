@@ -155,8 +155,9 @@ class ModelConfig:
         if self.num_threads is not None:
             _require(self.num_threads >= 1, "num_threads", ">= 1", self.num_threads)
         _require(self.cpu_blas in CPU_BLAS, "cpu_blas", f"one of {CPU_BLAS}", self.cpu_blas)
-        _require(self.mlp_slice_rows is None or self.mlp_slice_rows >= 0, "mlp_slice_rows",
-                 "None or >= 0", self.mlp_slice_rows)
+        rows = self.mlp_slice_rows
+        _require(rows is None or (type(rows) is int and rows >= 0), "mlp_slice_rows",
+                 "None or an int >= 0", rows)
         _require(self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
                  f"one of {REASONING_PARSERS}", self.reasoning_parser)
 

@@ -126,10 +126,15 @@ class NumpyProducts(ProductPolicy):
         return cpu_blas.padded_rows(num_rows)
 
 
+# The float32 CPU product paths by `cpu_blas` name (beside "torch" and "auto").
+CPU_POLICIES: dict[str, type[ProductPolicy]] = {
+    policy.name: policy for policy in (OneDNNProducts, NumpyProducts, NativeProducts)}
+
+
 def product_policy(setting: str, device: torch.device, dtype: torch.dtype) -> ProductPolicy:
     """The policy for the `cpu_blas` setting (auto / onednn / numpy / native / torch)."""
     eligible = device.type == "cpu" and dtype == torch.float32
-    if setting in ("onednn", "numpy", "native") and not eligible:
+    if setting in CPU_POLICIES and not eligible:
         raise ValueError(f"cpu_blas: {setting!r} needs a float32 model on the CPU, not "
                          f"{dtype} on {device.type}")
     if setting == "onednn" and not cpu_blas.onednn_available():
@@ -137,7 +142,7 @@ def product_policy(setting: str, device: torch.device, dtype: torch.dtype) -> Pr
     if setting == "native" and not native_linear.available():
         raise ValueError("cpu_blas: 'native' needs its kernel compiled, and it could not "
                          "be (a C++ compiler and torch's headers; see the log)")
-    if setting not in ("auto", "onednn", "numpy", "native", "torch"):
+    if setting not in ("auto", "torch", *CPU_POLICIES):
         raise ValueError(f"cpu_blas: no CPU product path {setting!r}")
     if not eligible or setting == "torch":
         return ProductPolicy(device)
@@ -145,5 +150,4 @@ def product_policy(setting: str, device: torch.device, dtype: torch.dtype) -> Pr
         setting = auto_choice()
         if setting == "torch":
             return ProductPolicy(device)
-    policies = {"onednn": OneDNNProducts, "numpy": NumpyProducts, "native": NativeProducts}
-    return policies[setting](device)
+    return CPU_POLICIES[setting](device)

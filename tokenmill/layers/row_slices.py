@@ -66,10 +66,12 @@ def in_row_slices(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, r
 
 
 def set_mlp_slice_rows(model: nn.Module, setting: int | None, itemsize: int,
-                       device: torch.device) -> None:
+                       device: torch.device) -> list[int]:
     """Give every sliceable MLP of `model` its slice (`setting` rows; None: on the CPU
-    sized from the cache for its width, elsewhere none; 0: none). A sliceable module
-    has `slice_rows` and `intermediate_bytes_per_row(itemsize)`."""
+    sized from the cache for its width, elsewhere none; 0: none) and return the
+    distinct slices set (none: []). A sliceable module has `slice_rows` and
+    `intermediate_bytes_per_row(itemsize)`."""
+    chosen: set[int] = set()
     for module in model.modules():
         if not hasattr(module, "slice_rows"):
             continue
@@ -78,3 +80,5 @@ def set_mlp_slice_rows(model: nn.Module, setting: int | None, itemsize: int,
                                  if device.type == "cpu" else 0)
         else:
             module.slice_rows = setting
+        chosen.add(module.slice_rows)
+    return sorted(chosen - {0})

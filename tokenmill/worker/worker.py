@@ -100,8 +100,8 @@ class Worker:
                             stage=self.stage, expert_slots=self.replicas and
                             self.replicas.initial_slots)
         calibrate(loaded.model, config)  # activation-aware quantization, when configured
-        set_mlp_slice_rows(loaded.model, mcfg.mlp_slice_rows, loaded.dtype.itemsize,
-                           loaded.device)
+        self.mlp_slices = set_mlp_slice_rows(loaded.model, mcfg.mlp_slice_rows,
+                                             loaded.dtype.itemsize, loaded.device)
         self.arch, self.device, self.dtype = loaded.arch, loaded.device, loaded.dtype
         self.generation_config = loaded.generation_config
         self.max_model_len = resolve_max_model_len(config, loaded.arch)
@@ -182,15 +182,13 @@ class Worker:
 
     def _log_start_up(self) -> None:
         plan = self.kv_plan
-        slices = sorted({m.slice_rows for m in self.runner.model.modules()
-                         if hasattr(m, "slice_rows")})
         logger.info("KV cache (%s): %d blocks of %d tokens (%.1f MiB), %d tokens, "
                     "%d concurrent sequences at %d tokens; weights %.1f MiB; products: %s; "
                     "MLP slices: %s rows",
                     plan.kv_cache_dtype, plan.num_blocks, plan.block_size,
                     plan.total_bytes / 2**20, plan.num_tokens, plan.max_concurrent_sequences,
                     self.max_model_len, self.memory.weights / 2**20, self.products.name,
-                    "/".join(str(rows) for rows in slices) if any(slices) else "none")
+                    "/".join(map(str, self.mlp_slices)) or "none")
 
     # ---- what the engine asks for -----------------------------------------------------
     def set_tracer(self, tracer) -> None:
