@@ -30,7 +30,9 @@ head kind (`layer_counts`), which the engine's metrics and the benchmarks report
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,16 @@ from tokenmill.attention.paged_native import PagedNativeAttention, native_decode
 from tokenmill.attention.sparse_prefill import chunk_attention, worth_it
 from tokenmill.kv import KVCache
 from tokenmill.kv.quant import dequantize
+from tokenmill.layers.native import build_extension
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "block_sparse_decode.cpp"
+
+
+@functools.cache  # (no arguments: a lookup per layer costs nothing)
+def native_block_sparse():
+    """retrieval-topp's compiled selection and every sparse backend's list attention
+    (csrc/block_sparse_decode.cpp), or None where they cannot be built."""
+    return build_extension("block_sparse_decode", SOURCE, ("-ffast-math",))
 
 
 def mask_to_blocks(block_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +87,13 @@ class BlockSparseAttention(PagedNativeAttention):
 
     # False: always the gathered route (the tests compare the two).
     in_place = True
+    # The native selection and list-attention kernels, where a subclass builds them.
+    kernel = None
+
+    @property
+    def crossover_tag(self) -> str:
+        """What the self-check's cached table depends on beyond the knobs."""
+        return "native" if self.kernel is not None else "torch"
 
     def allocate_state(self, kv_caches: list[KVCache]) -> None:
         super().allocate_state(kv_caches)  # the kernel, built at start-up
@@ -207,6 +226,19 @@ class BlockSparseAttention(PagedNativeAttention):
                 and bool(block_mask.gather(2, last).all())):  # the contract, checked
             return self._in_place(kernel, q, block_mask, tables, lengths, kv_cache, scale)
         return self._gathered(grouped, block_mask, tables, lengths, kv_cache, scale)
+
+    def _attend_lists(self, lists: torch.Tensor, counts: torch.Tensor, q: torch.Tensor,
+                      kv_cache: KVCache, metadata: PagedMetadata, scale: float,
+                      layer_index: int) -> torch.Tensor:
+        """Count and attend to a native selection: lists [D, KVH, W] of kept logical
+        blocks in context order, the first counts [D, KVH] of each valid (the float32
+        CPU cache, in place: block_sparse_decode.cpp's paged_decode_lists)."""
+        block_size = self.spec.block_size
+        tables, lengths = metadata.decode_block_tables, metadata.decode_lengths
+        partial = lengths - (lengths - 1) // block_size * block_size  # the last block's
+        self._count(layer_index, counts * block_size - (block_size - partial)[:, None])
+        return self.kernel.paged_decode_lists(q, kv_cache.data[0], kv_cache.data[1], tables,
+                                              lengths, lists, counts, scale)
 
     def _in_place(self, kernel, q: torch.Tensor, block_mask: torch.Tensor,
                   tables: torch.Tensor, lengths: torch.Tensor, kv_cache: KVCache,

@@ -18,16 +18,33 @@ With a quantized cache the bounds are of the keys before quantization (a stored 
 can exceed them by its rounding): selection is a heuristic there, attention over the
 kept blocks still exact.
 
-The gathering, exact attention over the kept blocks and the counters are
-`block_sparse.BlockSparseAttention`'s.
+On a float32 CPU cache both the choice and the attention are native
+(`csrc/topk_select.cpp`, then block_sparse_decode.cpp's list attention); elsewhere the
+PyTorch selection below (the native one's reference) and
+`block_sparse.BlockSparseAttention`'s gathering and exact attention serve, with its
+counters either way.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 
-from tokenmill.attention.block_sparse import BlockSparseAttention
+from tokenmill.attention.block_sparse import BlockSparseAttention, native_block_sparse
+from tokenmill.attention.paged import PagedMetadata
 from tokenmill.kv import KVCache
+from tokenmill.layers.native import build_extension
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "topk_select.cpp"
+
+
+@functools.cache
+def native_topk_select():
+    """The compiled block choice of quest and static-topk, or None where it cannot be
+    built."""
+    return build_extension("topk_select", SOURCE, ("-ffast-math",))
 
 
 def block_upper_bounds(q: torch.Tensor, key_min: torch.Tensor, key_max: torch.Tensor
@@ -60,12 +77,22 @@ def select_blocks(bounds: torch.Tensor, num_blocks: torch.Tensor, keep: int) -> 
 
 class QuestAttention(BlockSparseAttention):
     name = "quest"
+    exact_scores = False  # scores from the key bounds (static-topk: from the keys)
+    # False: the PyTorch selection even where the native one runs (the tests compare).
+    native = True
 
     def allocate_sparse_state(self, kv_caches: list[KVCache]) -> None:
         shape = (kv_caches[0].data.shape[1], self.spec.num_kv_heads, self.spec.head_dim)
         device = kv_caches[0].data.device
         self.key_min = [torch.full(shape, float("inf"), device=device) for _ in kv_caches]
         self.key_max = [torch.full(shape, float("-inf"), device=device) for _ in kv_caches]
+        cache = kv_caches[0]
+        self.kernel = self.select_kernel = None
+        if (self.native and self.in_place and not cache.quantized
+                and cache.data.device.type == "cpu" and cache.data.dtype == torch.float32):
+            # Built before the self-check times them; both or neither.
+            self.select_kernel = native_topk_select()
+            self.kernel = native_block_sparse() if self.select_kernel is not None else None
 
     def observe_keys(self, layer_index: int, k: torch.Tensor,
                      slot_mapping: torch.Tensor) -> None:
@@ -85,6 +112,20 @@ class QuestAttention(BlockSparseAttention):
         [D, KVH, G, Dh] (here Quest's upper bound, read from the kept key bounds)."""
         return block_upper_bounds(q, self.key_min[layer_index][tables],
                                   self.key_max[layer_index][tables])
+
+    def _sparse(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
+                scale: float, layer_index: int) -> torch.Tensor:
+        if (self.kernel is None or q.dtype != torch.float32 or kv_cache.quantized
+                or kv_cache.data.dtype != torch.float32):
+            return super()._sparse(q, kv_cache, metadata, scale, layer_index)
+        spec = self.spec
+        tables, lengths = metadata.decode_block_tables, metadata.decode_lengths
+        q = q.contiguous()
+        lists, counts = self.select_kernel.topk_select(
+            q.view(tables.shape[0], spec.num_kv_heads, -1, spec.head_dim),
+            self.key_min[layer_index], self.key_max[layer_index], kv_cache.data[0], tables,
+            lengths, max(1, spec.sparse.budget // spec.block_size), self.exact_scores)
+        return self._attend_lists(lists, counts, q, kv_cache, metadata, scale, layer_index)
 
     def select_blocks(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
                       lengths: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
@@ -107,6 +148,7 @@ class StaticTopKAttention(QuestAttention):
     accuracy (the key bounds of Quest are kept but unused)."""
 
     name = "static-topk"
+    exact_scores = True
 
     def block_scores(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
                      lengths: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:

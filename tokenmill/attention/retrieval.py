@@ -29,25 +29,14 @@ that fits the sinks and the window is dense attention. The first
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 
 import torch
 
-from tokenmill.attention.block_sparse import BlockSparseAttention
+from tokenmill.attention.block_sparse import BlockSparseAttention, native_block_sparse
 from tokenmill.attention.sparse_calibration import SparseCalibration
 from tokenmill.kv import KVCache
-from tokenmill.layers.native import build_extension
-
-SOURCE = Path(__file__).resolve().parent / "csrc" / "block_sparse_decode.cpp"
-
-
-@functools.cache  # (no arguments: a lookup per layer costs nothing)
-def native_block_sparse():
-    """The compiled selection and list-attention kernels, or None where they cannot be
-    built."""
-    return build_extension("block_sparse_decode", SOURCE, ("-ffast-math",))
 
 
 def top_p_blocks(mass: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -109,11 +98,6 @@ class RetrievalTopPAttention(BlockSparseAttention):
                 and cache.data.device.type == "cpu" and cache.data.dtype == torch.float32):
             self.kernel = native_block_sparse()  # built before the self-check times it
 
-    @property
-    def crossover_tag(self) -> str:
-        """What the self-check's cached table depends on beyond the knobs."""
-        return "native" if self.kernel is not None else "torch"
-
     def probe_classes(self, num_layers: int) -> dict[str, list[int]]:
         """Sparse layers by their number of retrieval heads: a layer of local heads
         only costs far less than one whose heads score every token."""
@@ -161,10 +145,7 @@ class RetrievalTopPAttention(BlockSparseAttention):
             math.ceil(sparse.sink_tokens / block_size), sparse.window, sparse.top_p,
             math.ceil(sparse.min_tokens / block_size), max(1, sparse.budget // block_size),
             1 / math.sqrt(head_dim))
-        partial = lengths - (lengths - 1) // block_size * block_size  # the last block's
-        self._count(layer_index, counts * block_size - (block_size - partial)[:, None])
-        return kernel.paged_decode_lists(q, kv_cache.data[0], kv_cache.data[1], tables,
-                                         lengths, lists, counts, scale)
+        return self._attend_lists(lists, counts, q, kv_cache, metadata, scale, layer_index)
 
     def _forced(self, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sink and window blocks [D, W], valid blocks [D, W])."""
