@@ -170,6 +170,31 @@ class BlockSparseAttention(PagedNativeAttention):
         rows' queries q [D, KVH, G, Dh] (a row's blocks past its length unset)."""
         raise NotImplementedError
 
+    def native_lists(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
+                     lengths: torch.Tensor, kv_cache: KVCache
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """select_blocks' choice from a native kernel (where `kernel` is built), as
+        (lists [D, KVH, W] of kept logical blocks in context order, counts [D, KVH]:
+        how many of each list are valid); q [D, KVH, G, Dh] contiguous float32."""
+        raise NotImplementedError
+
+    def runs_native(self, q: torch.Tensor, kv_cache: KVCache) -> bool:
+        """Whether native_lists and the list attention serve these queries and cache."""
+        return (self.kernel is not None and q.dtype == torch.float32
+                and not kv_cache.quantized and kv_cache.data.dtype == torch.float32)
+
+    def choose_blocks(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
+                      lengths: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:
+        """select_blocks' mask [D, KVH, W], from the native choice where it runs."""
+        if not self.runs_native(q, kv_cache):
+            return self.select_blocks(layer_index, q, tables, lengths, kv_cache)
+        lists, counts = self.native_lists(layer_index, q.contiguous(), tables, lengths,
+                                          kv_cache)
+        width = tables.shape[1]
+        valid = torch.arange(width, device=q.device) < counts[..., None]
+        mask = torch.zeros(*counts.shape, width + 1, dtype=torch.bool, device=q.device)
+        return mask.scatter_(2, torch.where(valid, lists, width), True)[..., :width]
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                  metadata: PagedMetadata) -> None:
         raise NotImplementedError(f"{self.name} keeps per-layer state: early exit, which "
@@ -212,6 +237,13 @@ class BlockSparseAttention(PagedNativeAttention):
         rows, width = tables.shape
         group = q.shape[1] // kv_heads
         lengths = metadata.decode_lengths  # its context and its own token
+        if self.runs_native(q, kv_cache):
+            q = q.contiguous()
+            lists, counts = self.native_lists(
+                layer_index, q.view(rows, kv_heads, group, q.shape[2]), tables, lengths,
+                kv_cache)
+            return self._attend_lists(lists, counts, q, kv_cache, metadata, scale,
+                                      layer_index)
         grouped = q.view(rows, kv_heads, group, q.shape[2])
         block_mask = self.select_blocks(layer_index, grouped.float(), tables, lengths,
                                         kv_cache)

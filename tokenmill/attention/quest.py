@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from tokenmill.attention.block_sparse import BlockSparseAttention, native_block_sparse
-from tokenmill.attention.paged import PagedMetadata
 from tokenmill.kv import KVCache
 from tokenmill.layers.native import build_extension
 
@@ -113,19 +112,13 @@ class QuestAttention(BlockSparseAttention):
         return block_upper_bounds(q, self.key_min[layer_index][tables],
                                   self.key_max[layer_index][tables])
 
-    def _sparse(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
-                scale: float, layer_index: int) -> torch.Tensor:
-        if (self.kernel is None or q.dtype != torch.float32 or kv_cache.quantized
-                or kv_cache.data.dtype != torch.float32):
-            return super()._sparse(q, kv_cache, metadata, scale, layer_index)
-        spec = self.spec
-        tables, lengths = metadata.decode_block_tables, metadata.decode_lengths
-        q = q.contiguous()
-        lists, counts = self.select_kernel.topk_select(
-            q.view(tables.shape[0], spec.num_kv_heads, -1, spec.head_dim),
-            self.key_min[layer_index], self.key_max[layer_index], kv_cache.data[0], tables,
-            lengths, max(1, spec.sparse.budget // spec.block_size), self.exact_scores)
-        return self._attend_lists(lists, counts, q, kv_cache, metadata, scale, layer_index)
+    def native_lists(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
+                     lengths: torch.Tensor, kv_cache: KVCache
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.select_kernel.topk_select(
+            q, self.key_min[layer_index], self.key_max[layer_index], kv_cache.data[0], tables,
+            lengths, max(1, self.spec.sparse.budget // self.spec.block_size),
+            self.exact_scores)
 
     def select_blocks(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
                       lengths: torch.Tensor, kv_cache: KVCache) -> torch.Tensor:

@@ -128,24 +128,16 @@ class RetrievalTopPAttention(BlockSparseAttention):
         picked = k[:, heads].float().gather(2, dims[None].expand(k.shape[0], -1, -1))
         self.index[layer_index][slot_mapping] = picked
 
-    def _sparse(self, q: torch.Tensor, kv_cache: KVCache, metadata, scale: float,
-                layer_index: int) -> torch.Tensor:
-        kernel = self.kernel
-        if (kernel is None or q.dtype != torch.float32 or kv_cache.quantized
-                or kv_cache.data.dtype != torch.float32):
-            return super()._sparse(q, kv_cache, metadata, scale, layer_index)
-        spec, sparse = self.spec, self.spec.sparse
-        block_size, kv_heads, head_dim = spec.block_size, spec.num_kv_heads, spec.head_dim
-        tables, lengths = metadata.decode_block_tables, metadata.decode_lengths
-        rows = tables.shape[0]
-        q = q.contiguous()
-        lists, counts = kernel.topp_select(
-            q.view(rows, kv_heads, -1, head_dim), tables, lengths, self.index[layer_index],
-            self.index_dims[layer_index], self.retrieval_ids[layer_index], block_size,
+    def native_lists(self, layer_index: int, q: torch.Tensor, tables: torch.Tensor,
+                     lengths: torch.Tensor, kv_cache: KVCache
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        sparse, block_size = self.spec.sparse, self.spec.block_size
+        return self.kernel.topp_select(
+            q, tables, lengths, self.index[layer_index], self.index_dims[layer_index],
+            self.retrieval_ids[layer_index], block_size,
             math.ceil(sparse.sink_tokens / block_size), sparse.window, sparse.top_p,
             math.ceil(sparse.min_tokens / block_size), max(1, sparse.budget // block_size),
-            1 / math.sqrt(head_dim))
-        return self._attend_lists(lists, counts, q, kv_cache, metadata, scale, layer_index)
+            1 / math.sqrt(self.spec.head_dim))
 
     def _forced(self, lengths: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(sink and window blocks [D, W], valid blocks [D, W])."""

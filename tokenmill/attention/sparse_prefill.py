@@ -7,9 +7,11 @@ attention is most of a small model's prefill work. Here a chunk of a sparse laye
 attends to the context blocks its backend's decode rule keeps for a few of the
 chunk's own queries (PROBE_QUERIES evenly spaced ones, the last among them, each
 treated as a decode query on the cached context; the union of their blocks per KV
-head), and to the chunk itself causally (dense). One masked SDPA per chunk over the
-union of the heads' kept blocks and the chunk, each head's mask its own; keys read
-back from the cache (dequantised if quantized), as the dense path does.
+head), and to the chunk itself causally (dense): per KV head, its query heads over
+its kept context tokens, and all heads causally over the chunk, each with torch's
+fused CPU kernel (no mask), merged by their log-sum-exps; keys read back from the
+cache (dequantised if quantized), as the dense path does. The blocks are chosen by
+the backend's native selection where it runs (csrc/), as for decode rows.
 
 It applies where the context is over twice what the selection keeps at least of a
 long context (quest, static-topk: the budget; retrieval-topp: the floor, or the
@@ -20,7 +22,6 @@ layers and every decode row are untouched by it.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from tokenmill.attention.paged import PrefillChunk
 from tokenmill.kv import KVCache
@@ -42,9 +43,36 @@ def probe_rows(chunk: PrefillChunk) -> torch.Tensor:
     return torch.linspace(n - 1, 0, count).round().long().flip(0).unique()
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of q [1, H, n, Dh] over keys / values [1, H, L, Dh] (causal:
+    query i sees keys 0..i) as (output [1, H, n, Dh], log-sum-exp of the scores
+    [1, H, n]): torch's fused CPU kernel where it runs, plain products elsewhere."""
+    if q.device.type == "cpu" and q.dtype == torch.float32:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, keys, values, 0.0, causal, scale=scale)
+    scores = (q @ keys.transpose(-1, -2)).float() * scale
+    if causal:
+        n, length = scores.shape[-2:]
+        scores = scores.masked_fill(torch.ones(n, length, dtype=torch.bool, device=q.device)
+                                    .triu(1), float("-inf"))
+    lse = scores.logsumexp(-1)
+    return (scores - lse[..., None]).exp().to(q.dtype) @ values, lse
+
+
+def merge(first: tuple[torch.Tensor, torch.Tensor],
+          second: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """One softmax's output from attention over two disjoint key sets, each given as
+    (output, log-sum-exp): each output weighted by its share of the exponentials."""
+    total = torch.logaddexp(first[1], second[1])
+    return sum(out * (lse - total).exp()[..., None].to(out.dtype) for out, lse in (first, second))
+
+
 def chunk_attention(backend, layer_index: int, q: torch.Tensor, chunk: PrefillChunk,
                     kv_cache: KVCache, scale: float) -> torch.Tensor:
-    """The chunk's attention output [n, H, Dh] over its kept context and itself."""
+    """The chunk's attention output [n, H, Dh] over its kept context and itself: per KV
+    head, its query heads over its kept context tokens, and every head causally over
+    the chunk, merged by their log-sum-exps (no mask over the whole sequence)."""
     spec = backend.spec
     block_size, kv_heads = spec.block_size, spec.num_kv_heads
     group = spec.num_heads // kv_heads
@@ -57,33 +85,43 @@ def chunk_attention(backend, layer_index: int, q: torch.Tensor, chunk: PrefillCh
     tables = chunk.block_table[:context_blocks][None].expand(len(probes), -1).contiguous()
     lengths = torch.full((len(probes),), context, dtype=torch.int64, device=device)
     grouped = q_chunk[probes].view(len(probes), kv_heads, group, -1).float()
-    chosen = backend.select_blocks(layer_index, grouped, tables, lengths, kv_cache).any(0)
-    kept = torch.zeros(kv_heads, len(chunk.block_table), dtype=torch.bool, device=device)
-    kept[:, :chosen.shape[1]] = chosen  # [KVH, the chunk's blocks too]
-    # Keys: the union over heads of the kept context blocks, then the chunk's blocks.
-    first_chunk_block = context // block_size
-    union = kept.any(0).nonzero().flatten()
-    union = union[union < first_chunk_block]
-    blocks = torch.cat([union, torch.arange(first_chunk_block, len(chunk.block_table),
-                                            device=device)])
-    physical = chunk.block_table[blocks]
-    keys, values = kv_cache.data[0][physical], kv_cache.data[1][physical]
-    if kv_cache.quantized:
-        keys = dequantize(keys, kv_cache.scales[0][physical], kv_cache.compute_dtype)
-        values = dequantize(values, kv_cache.scales[1][physical], kv_cache.compute_dtype)
-    positions = (blocks[:, None] * block_size
-                 + torch.arange(block_size, device=device)).flatten()  # [L]
-    keys = keys.flatten(0, 1).transpose(0, 1)[None].to(q.dtype)  # [1, KVH, L, Dh]
-    values = values.flatten(0, 1).transpose(0, 1)[None].to(q.dtype)
-    query_pos = torch.arange(context, chunk.seq_len, device=device)
-    in_context = (positions < context)[None, :] & kept[:, positions // block_size]  # [KVH, L]
-    causal = ((positions[None, :] >= context)
-              & (positions[None, :] <= query_pos[:, None]))  # [n, L]
-    mask = in_context[:, None, :] | causal[None]  # [KVH, n, L]
-    mask = mask.repeat_interleave(group, dim=0)[None]  # [1, H, n, L]
+    kept = backend.choose_blocks(layer_index, grouped, tables, lengths, kv_cache).any(0)
+
+    def read(positions: torch.Tensor, heads: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cached keys and values of positions of the sequence for some KV heads:
+        [1, heads, L, Dh] each (dequantised from a quantized cache, as the dense path
+        reads them)."""
+        slots = chunk.block_table[positions // block_size] * block_size + positions % block_size
+        read = []
+        for side in (0, 1):
+            rows = kv_cache.data[side].flatten(0, 1)[slots, heads]
+            if kv_cache.quantized:
+                rows = dequantize(rows, kv_cache.scales[side].flatten(0, 1)[slots, heads],
+                                  kv_cache.compute_dtype)
+            read.append(rows.transpose(0, 1)[None].to(q.dtype))
+        return read[0], read[1]
+
+    queries = q_chunk.transpose(0, 1)[None]  # [1, H, n, Dh]
+    keys, values = read(torch.arange(context, chunk.seq_len, device=device), slice(None))
+    own = attend(queries, keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1),
+                 scale, causal=True)
+    outputs = []
+    context_keys = 0
+    for head in range(kv_heads):
+        heads = slice(head * group, (head + 1) * group)
+        positions = (kept[head].nonzero().flatten()[:, None] * block_size
+                     + torch.arange(block_size, device=device)).flatten()
+        positions = positions[positions < context]
+        context_keys += len(positions)
+        if len(positions) == 0:
+            outputs.append(own[0][:, heads])
+            continue
+        keys, values = read(positions, slice(head, head + 1))
+        shape = (1, group, len(positions), keys.shape[-1])
+        part = attend(queries[:, heads], keys.expand(shape), values.expand(shape), scale,
+                      causal=False)
+        outputs.append(merge(part, (own[0][:, heads], own[1][:, heads])))
     counts = backend.prefill_counts
-    counts[0] += int(in_context.sum()) * n + int(causal.sum()) * kv_heads
+    counts[0] += context_keys * n + n * (n + 1) // 2 * kv_heads
     counts[1] += n * kv_heads
-    out = F.scaled_dot_product_attention(q_chunk.transpose(0, 1)[None], keys, values,
-                                         attn_mask=mask, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)
+    return torch.cat(outputs, dim=1)[0].transpose(0, 1)
