@@ -107,3 +107,21 @@ def test_sparse_prefill_composes(calibrated):  # noqa: F811
         keys, queries = engine.executor.worker.runner.backend.prefill_counts
         assert queries > 0 and keys / queries < 100  # sparse: contexts reach 150 + 8
         assert all(len(t) == GREEDY.max_tokens for t in tokens)
+
+
+def test_attention_in_two_parts_merges_to_attention_over_both():
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 9, 16, generator=generator)
+    keys, values = torch.randn(2, 1, 4, 30, 16, generator=generator)
+    own_keys, own_values = torch.randn(2, 1, 4, 9, 16, generator=generator)
+    allowed = torch.cat([torch.ones(9, 30, dtype=torch.bool),
+                         torch.ones(9, 9, dtype=torch.bool).tril()], dim=1)
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q, torch.cat([keys, own_keys], 2), torch.cat([values, own_values], 2),
+        attn_mask=allowed, scale=0.3)
+    for dtype in (torch.float32, torch.float64):  # the fused CPU kernel, plain products
+        cast = [t.to(dtype) for t in (q, keys, values, own_keys, own_values)]
+        out = sparse_prefill.merge(
+            sparse_prefill.attend(cast[0], cast[1], cast[2], 0.3, causal=False),
+            sparse_prefill.attend(cast[0], cast[3], cast[4], 0.3, causal=True))
+        torch.testing.assert_close(out.float(), expected, rtol=1e-5, atol=1e-5)

@@ -10,8 +10,9 @@
 // is folded into a running softmax per query head (the running maximum, the sum of
 // exponentials and the weighted sum of values, rescaled when the maximum grows). A
 // tile's tokens are found through the block table one by one, so any block size works
-// and a tile may span blocks; the next tile's rows are prefetched (blocks lie
-// anywhere in the pool, where the hardware prefetcher cannot follow). A request split into shares has them merged
+// and a tile may span blocks; the next tile's rows are prefetched a few lines per query
+// head while the current one is folded (blocks lie anywhere in the pool, where the
+// hardware prefetcher cannot follow). A request split into shares has them merged
 // at the end (the shares' maxima rescale their sums), as flash-decoding does on GPUs.
 //
 // With AVX-512 and a head size that is a multiple of 16 (up to 128), a tile's 16
@@ -60,23 +61,40 @@ inline void tile_offsets(const Geometry& g, const int64_t* table, int64_t start,
   }
 }
 
-inline void prefetch_tile(const Geometry& g, const float* keys, const float* values,
-                          const int64_t* offsets, int64_t n) {
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t i = 0; i < g.kv_heads * g.head_dim; i += 16) {
-      __builtin_prefetch(keys + offsets[t] + i);
-      __builtin_prefetch(values + offsets[t] + i);
+// The next tile's cache lines (keys and values of each of its tokens), requested a
+// few at a time while the current tile is folded: a burst of all of them at once
+// (256 lines for a tile of 16 tokens of 2 x 64-dim heads) exceeds the lines a core
+// can have in flight. TM_PREFETCH_BURST restores the burst (for comparison).
+struct Prefetch {
+  const float* keys = nullptr;
+  const float* values = nullptr;
+  const int64_t* offsets = nullptr;
+  int64_t row_lines = 0, total = 0, next = 0;
+
+  void start(const Geometry& g, const float* k, const float* v, const int64_t* o, int64_t n) {
+    keys = k, values = v, offsets = o, next = 0;
+    row_lines = (g.kv_heads * g.head_dim + 15) / 16;
+    total = 2 * n * row_lines;
+  }
+  // Request up to `count` more lines, token by token, each token's keys then values.
+  inline void step(int64_t count) {
+    for (const int64_t stop = std::min(total, next + count); next < stop; ++next) {
+      const int64_t t = next / (2 * row_lines), within = next % (2 * row_lines);
+      const float* base = within < row_lines ? keys : values;
+      __builtin_prefetch(base + offsets[t] + (within % row_lines) * 16);
     }
-}
+  }
+};
 
 // The plain form: any head size, any CPU. state: [group][head_dim + 2] for the item's
 // query heads (weighted sum, running maximum, sum of exponentials).
 void fold_tile_plain(const Geometry& g, const float* query, const float* keys,
                      const float* values, const int64_t* offsets, int64_t n, float scale,
-                     float* state) {
+                     float* state, Prefetch& ahead, int64_t per_head) {
   const int64_t stride = g.head_dim + 2;
   float scores[kTile];
   for (int64_t q = 0; q < g.group; ++q) {
+    ahead.step(per_head);
     const float* qh = query + q * g.head_dim;
     float* s = state + q * stride;
     for (int64_t t = 0; t < n; ++t) scores[t] = scale * dot(qh, keys + offsets[t], g.head_dim);
@@ -109,11 +127,12 @@ inline __m512 sum_each(__m512* v) {
 template <int VECTORS>
 void fold_tile_avx512(const Geometry& g, const float* query, const float* keys,
                       const float* values, const int64_t* offsets, int64_t n, float scale,
-                      float* state) {
+                      float* state, Prefetch& ahead, int64_t per_head) {
   const int64_t stride = g.head_dim + 2;
   const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
   alignas(64) float weights[kTile];
   for (int64_t q = 0; q < g.group; ++q) {
+    ahead.step(per_head);
     __m512 qv[VECTORS];
     for (int i = 0; i < VECTORS; ++i) qv[i] = _mm512_loadu_ps(query + q * g.head_dim + 16 * i);
     __m512 partial[kTile];
@@ -154,7 +173,7 @@ void fold_tile_avx512(const Geometry& g, const float* query, const float* keys,
 #endif
 
 using FoldTile = void (*)(const Geometry&, const float*, const float*, const float*,
-                          const int64_t*, int64_t, float, float*);
+                          const int64_t*, int64_t, float, float*, Prefetch&, int64_t);
 
 FoldTile choose_fold(int64_t head_dim) {
 #if defined(__AVX512F__)
@@ -185,17 +204,22 @@ void attend_share(const Geometry& g, FoldTile fold, const float* query, const fl
   int64_t offsets[2][kTile];
   int64_t n = std::min(kTile, last - first);
   if (n > 0) tile_offsets(g, table, first, n, offsets[0]);
+  Prefetch ahead;
   for (int64_t start = first, tile = 0; start < last; start += kTile, tile ^= 1) {
     const int64_t next_start = start + kTile;
-    const int64_t next_n = std::min(kTile, last - next_start);
-    if (next_n > 0) {
-      tile_offsets(g, table, next_start, next_n, offsets[tile ^ 1]);
-      prefetch_tile(g, k_data, v_data, offsets[tile ^ 1], next_n);
-    }
+    const int64_t next_n = std::max<int64_t>(0, std::min(kTile, last - next_start));
+    if (next_n > 0) tile_offsets(g, table, next_start, next_n, offsets[tile ^ 1]);
+    ahead.start(g, k_data, v_data, offsets[tile ^ 1], next_n);
+#ifdef TM_PREFETCH_BURST
+    ahead.step(ahead.total);
+#endif
+    // The lines spread evenly over the tile's query heads.
+    const int64_t per_head = (ahead.total + g.heads - 1) / g.heads;
     for (int64_t kv = 0; kv < g.kv_heads; ++kv)
       fold(g, query + kv * g.group * g.head_dim, k_data + kv * g.head_dim,
            v_data + kv * g.head_dim, offsets[tile], n, scale,
-           state + kv * g.group * stride);
+           state + kv * g.group * stride, ahead, per_head);
+    ahead.step(ahead.total);  // any left over
     n = next_n;
   }
 }
