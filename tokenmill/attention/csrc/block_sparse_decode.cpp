@@ -13,9 +13,10 @@
 //               than dense attention on small models.
 // paged_decode_lists
 //               attention of each (row, KV head) over its own list of logical blocks,
-//               read in place from the paged cache (a running softmax per query head,
-//               as csrc/paged_decode.cpp does for whole contexts; both fold blocks
-//               with decode_common.h).
+//               read in place from the paged cache, a tile of up to 16 of a block's
+//               tokens at a time folded into a running softmax per query head with
+//               decode_tile.h's fold, as csrc/paged_decode.cpp does for whole
+//               contexts, the next tile's lines prefetched meanwhile.
 //
 // float32 throughout; built with -ffast-math.
 #include <torch/extension.h>
@@ -28,6 +29,7 @@
 #include <vector>
 
 #include "decode_common.h"
+#include "decode_tile.h"
 
 namespace {
 
@@ -255,7 +257,6 @@ torch::Tensor paged_decode_lists(torch::Tensor q, torch::Tensor keys, torch::Ten
   const int64_t rows = q.size(0), heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = keys.size(1), kv_heads = keys.size(2), group = heads / kv_heads;
   const int64_t width = tables.size(1), list_width = lists.size(2);
-  const int64_t block_floats = block_size * kv_heads * head_dim;
   auto out = torch::empty({rows, heads, head_dim}, q.options());
   const int64_t q_stride = q.stride(0);
   const float* q_data = q.data_ptr<float>();
@@ -268,39 +269,56 @@ torch::Tensor paged_decode_lists(torch::Tensor q, torch::Tensor keys, torch::Ten
   float* out_data = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
 
+  const decode::Geometry g{heads, kv_heads, group, head_dim, block_size, width};
+  const decode::FoldTile fold = decode::choose_fold(head_dim);
+  const int64_t token_floats = kv_heads * head_dim, stride = head_dim + 2;
+
   at::parallel_for(0, rows * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> acc(group * head_dim), top(group), total(group),
-        score(group * block_size);
+    std::vector<float> state(group * stride);
+    int64_t offsets[2][decode::kTile];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, h = item % kv_heads;
       const int64_t length = length_data[row];
       const float* query = q_data + row * q_stride + h * group * head_dim;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      std::fill(top.begin(), top.end(), kNoScore);
-      std::fill(total.begin(), total.end(), 0.0f);
-      const int64_t* list = list_data + item * list_width;
-      for (int64_t i = 0; i < count_data[item]; ++i) {
-        const int64_t b = list[i];
-        const int64_t count = std::min(block_size, length - b * block_size);
-        if (count <= 0) continue;
-        const int64_t physical = table_data[row * width + b];
-        const float* block_keys = k_data + physical * block_floats + h * head_dim;
-        const float* block_values = v_data + physical * block_floats + h * head_dim;
-        for (int64_t g = 0; g < group; ++g) {
-          float* sc = score.data() + g * block_size;
-          for (int64_t t = 0; t < count; ++t)
-            sc[t] = s * dot(query + g * head_dim, block_keys + t * kv_heads * head_dim,
-                            head_dim);
-          float* a = acc.data() + g * head_dim;
-          decode::fold_block(sc, count, a, head_dim, top[g], total[g]);
-          for (int64_t t = 0; t < count; ++t)
-            scale_add(a, block_values + t * kv_heads * head_dim, sc[t], head_dim);
-        }
+      for (int64_t q = 0; q < group; ++q) {
+        float* s_q = state.data() + q * stride;
+        std::fill(s_q, s_q + head_dim, 0.0f);
+        s_q[head_dim] = kNoScore;  // running maximum
+        s_q[head_dim + 1] = 0.0f;  // sum of exponentials
       }
-      for (int64_t g = 0; g < group; ++g) {
-        float* target = out_data + (row * heads + h * group + g) * head_dim;
-        const float inverse = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
-        for (int64_t i2 = 0; i2 < head_dim; ++i2) target[i2] = acc[g * head_dim + i2] * inverse;
+      // The kept blocks' tokens in tiles of up to kTile (a tile stays in one block).
+      const int64_t* list = list_data + item * list_width;
+      const int64_t kept = count_data[item];
+      int64_t i = 0, t0 = 0;  // the next tile: list entry, first token in its block
+      const auto next_tile = [&](int64_t* offsets_out) -> int64_t {
+        for (; i < kept; ++i, t0 = 0) {
+          const int64_t b = list[i];
+          const int64_t count = std::min(block_size, length - b * block_size);
+          if (t0 >= count) continue;
+          const int64_t n = std::min(decode::kTile, count - t0);
+          const int64_t first = table_data[row * width + b] * block_size + t0;
+          for (int64_t t = 0; t < n; ++t) offsets_out[t] = (first + t) * token_floats;
+          t0 += n;
+          return n;
+        }
+        return 0;
+      };
+      decode::Prefetch ahead;
+      int64_t n = next_tile(offsets[0]);
+      for (int64_t tile = 0; n > 0; tile ^= 1) {
+        const int64_t next_n = next_tile(offsets[tile ^ 1]);
+        ahead.start(k_data + h * head_dim, v_data + h * head_dim, offsets[tile ^ 1], next_n,
+                    head_dim);
+        fold(g, query, k_data + h * head_dim, v_data + h * head_dim, offsets[tile], n, s,
+             state.data(), ahead, (ahead.total + group - 1) / group);
+        ahead.step(ahead.total);
+        n = next_n;
+      }
+      for (int64_t q = 0; q < group; ++q) {
+        const float* s_q = state.data() + q * stride;
+        float* target = out_data + (row * heads + h * group + q) * head_dim;
+        const float inverse = s_q[head_dim + 1] > 0.0f ? 1.0f / s_q[head_dim + 1] : 0.0f;
+        for (int64_t d = 0; d < head_dim; ++d) target[d] = s_q[d] * inverse;
       }
     }
   });

@@ -14,14 +14,9 @@
 // head while the current one is folded (blocks lie anywhere in the pool, where the
 // hardware prefetcher cannot follow). A request split into shares has them merged
 // at the end (the shares' maxima rescale their sums), as flash-decoding does on GPUs.
-//
-// With AVX-512 and a head size that is a multiple of 16 (up to 128), a tile's 16
-// scores of a query head come out in one register: each token's dot product is summed
-// into 16 lanes and the 16 partial vectors are folded together by a transposing
-// reduction (45 shuffles and adds instead of 16 horizontal sums), and each query
-// head's weighted sum of values stays in registers through the tile. Elsewhere the
-// plain loops below (dot products and scaled adds) serve. float32 throughout; built
-// with -ffast-math for vector exponentials and reassociated dot products.
+// The tile fold and the prefetcher are decode_tile.h's (shared with the sparse
+// backends' list kernel). float32 throughout; built with -ffast-math for vector
+// exponentials and reassociated dot products.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -31,23 +26,19 @@
 #include <vector>
 
 #include "decode_common.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "decode_tile.h"
 
 namespace {
 
-using decode::dot;
+using decode::choose_fold;
+using decode::FoldTile;
+using decode::Geometry;
 using decode::kNoScore;
+using decode::kTile;
+using decode::Prefetch;
 using decode::scale_add;
 
-constexpr int64_t kTile = 16;
 constexpr int64_t kMinTokensPerShare = 64;
-
-struct Geometry {
-  int64_t heads, kv_heads, group, head_dim, block_size, width;
-};
 
 // Where the keys (and, at the same offset, the values) of tokens [start, start + n)
 // of a request lie (their rows of all KV heads); n <= kTile.
@@ -59,133 +50,6 @@ inline void tile_offsets(const Geometry& g, const int64_t* table, int64_t start,
     offsets[t] = (table[position / g.block_size] * g.block_size + position % g.block_size) *
                  token_floats;
   }
-}
-
-// The next tile's cache lines (keys and values of each of its tokens), requested a
-// few at a time while the current tile is folded: a burst of all of them at once
-// (256 lines for a tile of 16 tokens of 2 x 64-dim heads) exceeds the lines a core
-// can have in flight. TM_PREFETCH_BURST restores the burst (for comparison).
-struct Prefetch {
-  const float* keys = nullptr;
-  const float* values = nullptr;
-  const int64_t* offsets = nullptr;
-  int64_t row_lines = 0, total = 0, next = 0;
-
-  void start(const Geometry& g, const float* k, const float* v, const int64_t* o, int64_t n) {
-    keys = k, values = v, offsets = o, next = 0;
-    row_lines = (g.kv_heads * g.head_dim + 15) / 16;
-    total = 2 * n * row_lines;
-  }
-  // Request up to `count` more lines, token by token, each token's keys then values.
-  inline void step(int64_t count) {
-    for (const int64_t stop = std::min(total, next + count); next < stop; ++next) {
-      const int64_t t = next / (2 * row_lines), within = next % (2 * row_lines);
-      const float* base = within < row_lines ? keys : values;
-      __builtin_prefetch(base + offsets[t] + (within % row_lines) * 16);
-    }
-  }
-};
-
-// The plain form: any head size, any CPU. state: [group][head_dim + 2] for the item's
-// query heads (weighted sum, running maximum, sum of exponentials).
-void fold_tile_plain(const Geometry& g, const float* query, const float* keys,
-                     const float* values, const int64_t* offsets, int64_t n, float scale,
-                     float* state, Prefetch& ahead, int64_t per_head) {
-  const int64_t stride = g.head_dim + 2;
-  float scores[kTile];
-  for (int64_t q = 0; q < g.group; ++q) {
-    ahead.step(per_head);
-    const float* qh = query + q * g.head_dim;
-    float* s = state + q * stride;
-    for (int64_t t = 0; t < n; ++t) scores[t] = scale * dot(qh, keys + offsets[t], g.head_dim);
-    decode::fold_block(scores, n, s, g.head_dim, s[g.head_dim], s[g.head_dim + 1]);
-    for (int64_t t = 0; t < n; ++t) scale_add(s, values + offsets[t], scores[t], g.head_dim);
-  }
-}
-
-#if defined(__AVX512F__)
-// Lane t of the result is the sum of the 16 lanes of v[t].
-inline __m512 sum_each(__m512* v) {
-  __m512 pairs[8], quads[4];
-  for (int i = 0; i < 8; ++i)
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  const __m512 low = _mm512_add_ps(_mm512_shuffle_f32x4(quads[0], quads[1], 0x88),
-                                   _mm512_shuffle_f32x4(quads[0], quads[1], 0xDD));
-  const __m512 high = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2], quads[3], 0x88),
-                                    _mm512_shuffle_f32x4(quads[2], quads[3], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(low, high, 0x88),
-                       _mm512_shuffle_f32x4(low, high, 0xDD));
-}
-
-// The register form, for head_dim = 16 * VECTORS.
-template <int VECTORS>
-void fold_tile_avx512(const Geometry& g, const float* query, const float* keys,
-                      const float* values, const int64_t* offsets, int64_t n, float scale,
-                      float* state, Prefetch& ahead, int64_t per_head) {
-  const int64_t stride = g.head_dim + 2;
-  const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-  alignas(64) float weights[kTile];
-  for (int64_t q = 0; q < g.group; ++q) {
-    ahead.step(per_head);
-    __m512 qv[VECTORS];
-    for (int i = 0; i < VECTORS; ++i) qv[i] = _mm512_loadu_ps(query + q * g.head_dim + 16 * i);
-    __m512 partial[kTile];
-    for (int64_t t = 0; t < kTile; ++t) {
-      if (t >= n) {
-        partial[t] = _mm512_setzero_ps();
-        continue;
-      }
-      const float* key = keys + offsets[t];
-      __m512 sum = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
-      for (int i = 1; i < VECTORS; ++i) sum = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(key + 16 * i), sum);
-      partial[t] = sum;
-    }
-    const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), live,
-                                             _mm512_mul_ps(sum_each(partial), _mm512_set1_ps(scale)));
-    float* s = state + q * stride;
-    const float top = std::max(s[g.head_dim], _mm512_reduce_max_ps(scores));
-    const float rescale = std::exp(s[g.head_dim] - top);
-    _mm512_store_ps(weights, _mm512_sub_ps(scores, _mm512_set1_ps(top)));
-#pragma omp simd
-    for (int t = 0; t < kTile; ++t) weights[t] = std::exp(weights[t]);  // vector exp (libmvec)
-    const __m512 w = _mm512_maskz_mov_ps(live, _mm512_load_ps(weights));
-    s[g.head_dim] = top;
-    s[g.head_dim + 1] = s[g.head_dim + 1] * rescale + _mm512_reduce_add_ps(w);
-    _mm512_store_ps(weights, w);
-    __m512 acc[VECTORS];
-    const __m512 r = _mm512_set1_ps(rescale);
-    for (int i = 0; i < VECTORS; ++i) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), r);
-    for (int64_t t = 0; t < n; ++t) {
-      const __m512 p = _mm512_set1_ps(weights[t]);
-      const float* value = values + offsets[t];
-      for (int i = 0; i < VECTORS; ++i)
-        acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * i), acc[i]);
-    }
-    for (int i = 0; i < VECTORS; ++i) _mm512_storeu_ps(s + 16 * i, acc[i]);
-  }
-}
-#endif
-
-using FoldTile = void (*)(const Geometry&, const float*, const float*, const float*,
-                          const int64_t*, int64_t, float, float*, Prefetch&, int64_t);
-
-FoldTile choose_fold(int64_t head_dim) {
-#if defined(__AVX512F__)
-  switch (head_dim) {
-    case 16: return fold_tile_avx512<1>;
-    case 32: return fold_tile_avx512<2>;
-    case 64: return fold_tile_avx512<4>;
-    case 128: return fold_tile_avx512<8>;
-    default: break;
-  }
-#endif
-  return fold_tile_plain;
 }
 
 // One share of one request: tokens [first, last). Leaves per query head the running
@@ -209,7 +73,7 @@ void attend_share(const Geometry& g, FoldTile fold, const float* query, const fl
     const int64_t next_start = start + kTile;
     const int64_t next_n = std::max<int64_t>(0, std::min(kTile, last - next_start));
     if (next_n > 0) tile_offsets(g, table, next_start, next_n, offsets[tile ^ 1]);
-    ahead.start(g, k_data, v_data, offsets[tile ^ 1], next_n);
+    ahead.start(k_data, v_data, offsets[tile ^ 1], next_n, g.kv_heads * g.head_dim);
 #ifdef TM_PREFETCH_BURST
     ahead.step(ahead.total);
 #endif
