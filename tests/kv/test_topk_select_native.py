@@ -46,7 +46,7 @@ def test_the_native_choice_is_the_pytorch_one(kernel, name, budget):
     cache = KVCache.allocate(256, 8, 4, 16, torch.float32, torch.float32, torch.device("cpu"))
     cache.data.copy_(torch.randn(cache.data.shape, generator=generator))
     backend = backend_over(name, cache, budget)
-    assert backend.select_kernel is kernel and backend.crossover_tag == "native"
+    assert backend.select_kernel is kernel and backend.crossover_tag.startswith("native-")
     metadata, q = batch_of_rows(backend, cache, LENGTHS, generator)
     tables, lengths = metadata.decode_block_tables, metadata.decode_lengths
     grouped = q.view(len(LENGTHS), 4, 2, 16)
@@ -82,3 +82,16 @@ def test_a_quantized_cache_keeps_the_pytorch_route():
     backend = ATTENTION_BACKENDS["quest"](AttentionSpec(2, 8, 4, 16, 8, SparseSettings()))
     backend.allocate_state([cache, cache])
     assert backend.kernel is None and backend.crossover_tag == "torch"
+
+
+def test_the_self_checks_cache_follows_the_kernels_text(tmp_path, kernel):
+    cache = KVCache.allocate(16, 8, 4, 16, torch.float32, torch.float32, torch.device("cpu"))
+    backend = backend_over("quest", cache, 64)
+    tag = backend.crossover_tag
+    assert tag.startswith("native-") and tag == backend_over("quest", cache, 64).crossover_tag
+    source = tmp_path / "kernel.cpp"
+    source.write_text("// one kernel\n")
+    backend.native_sources = (*backend.native_sources, source)
+    before = backend.crossover_tag
+    source.write_text("// the kernel, changed\n")
+    assert before != tag and backend.crossover_tag != before

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -39,11 +40,12 @@ import torch.nn.functional as F
 
 from tokenmill.attention.crossover import crossover_for
 from tokenmill.attention.paged import PagedMetadata, PrefillChunk
+from tokenmill.attention.paged_native import SOURCE as PAGED_SOURCE
 from tokenmill.attention.paged_native import PagedNativeAttention, native_decode
 from tokenmill.attention.sparse_prefill import chunk_attention, worth_it
 from tokenmill.kv import KVCache
 from tokenmill.kv.quant import dequantize
-from tokenmill.layers.native import build_extension
+from tokenmill.layers.native import build_extension, build_key
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "block_sparse_decode.cpp"
 
@@ -87,13 +89,19 @@ class BlockSparseAttention(PagedNativeAttention):
 
     # False: always the gathered route (the tests compare the two).
     in_place = True
-    # The native selection and list-attention kernels, where a subclass builds them.
+    # The native selection and list-attention kernels, where a subclass builds them,
+    # and the sources of every kernel its sparse and dense decode run.
     kernel = None
+    native_sources: tuple[Path, ...] = (PAGED_SOURCE, SOURCE)
 
     @property
     def crossover_tag(self) -> str:
-        """What the self-check's cached table depends on beyond the knobs."""
-        return "native" if self.kernel is not None else "torch"
+        """What the self-check's cached table depends on beyond the knobs: the PyTorch
+        route, or the native kernels' text (a changed kernel is timed again)."""
+        if self.kernel is None:
+            return "torch"
+        keys = "".join(build_key(source) for source in self.native_sources)
+        return "native-" + hashlib.sha256(keys.encode()).hexdigest()[:12]
 
     def allocate_state(self, kv_caches: list[KVCache]) -> None:
         super().allocate_state(kv_caches)  # the kernel, built at start-up

@@ -77,6 +77,7 @@ def select_blocks(bounds: torch.Tensor, num_blocks: torch.Tensor, keep: int) -> 
 class QuestAttention(BlockSparseAttention):
     name = "quest"
     exact_scores = False  # scores from the key bounds (static-topk: from the keys)
+    native_sources = (*BlockSparseAttention.native_sources, SOURCE)
     # False: the PyTorch selection even where the native one runs (the tests compare).
     native = True
 
