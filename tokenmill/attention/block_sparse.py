@@ -93,6 +93,14 @@ class BlockSparseAttention(PagedNativeAttention):
     # and the sources of every kernel its sparse and dense decode run.
     kernel = None
     native_sources: tuple[Path, ...] = (PAGED_SOURCE, SOURCE)
+    # False: the PyTorch selection even where the native one runs (the tests compare).
+    native = True
+
+    def native_cache(self, cache: KVCache | None) -> bool:
+        """Whether this backend builds its native kernels for a cache like `cache`
+        (float32, not quantized, on the CPU, in-place route on)."""
+        return (self.native and self.in_place and cache is not None and not cache.quantized
+                and cache.data.device.type == "cpu" and cache.data.dtype == torch.float32)
 
     @property
     def crossover_tag(self) -> str:

@@ -78,18 +78,14 @@ class QuestAttention(BlockSparseAttention):
     name = "quest"
     exact_scores = False  # scores from the key bounds (static-topk: from the keys)
     native_sources = (*BlockSparseAttention.native_sources, SOURCE)
-    # False: the PyTorch selection even where the native one runs (the tests compare).
-    native = True
 
     def allocate_sparse_state(self, kv_caches: list[KVCache]) -> None:
         shape = (kv_caches[0].data.shape[1], self.spec.num_kv_heads, self.spec.head_dim)
         device = kv_caches[0].data.device
         self.key_min = [torch.full(shape, float("inf"), device=device) for _ in kv_caches]
         self.key_max = [torch.full(shape, float("-inf"), device=device) for _ in kv_caches]
-        cache = kv_caches[0]
         self.kernel = self.select_kernel = None
-        if (self.native and self.in_place and not cache.quantized
-                and cache.data.device.type == "cpu" and cache.data.dtype == torch.float32):
+        if self.native_cache(kv_caches[0]):
             # Built before the self-check times them; both or neither.
             self.select_kernel = native_topk_select()
             self.kernel = native_block_sparse() if self.select_kernel is not None else None

@@ -66,8 +66,6 @@ def clamp_blocks(chosen: torch.Tensor, forced: torch.Tensor, priority: torch.Ten
 
 class RetrievalTopPAttention(BlockSparseAttention):
     name = "retrieval-topp"
-    # False: the PyTorch selection even where the native one runs (the tests compare).
-    native = True
 
     def allocate_sparse_state(self, kv_caches: list[KVCache]) -> None:
         spec, sparse = self.spec, self.spec.sparse
@@ -92,10 +90,8 @@ class RetrievalTopPAttention(BlockSparseAttention):
                                           device=device))
         self.retrieval_ids = [torch.tensor(heads, dtype=torch.int64, device=device)
                               for heads in self.retrieval]
-        cache = kv_caches[0] if kv_caches else None
         self.kernel = None
-        if (self.native and self.in_place and cache is not None and not cache.quantized
-                and cache.data.device.type == "cpu" and cache.data.dtype == torch.float32):
+        if self.native_cache(kv_caches[0] if kv_caches else None):
             self.kernel = native_block_sparse()  # built before the self-check times it
 
     def probe_classes(self, num_layers: int) -> dict[str, list[int]]:
