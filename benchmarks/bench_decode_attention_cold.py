@@ -21,6 +21,7 @@ import argparse
 import random
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,7 @@ from tokenmill.kv import KVCache
 from tokenmill.layers.native import build_extension
 
 BLOCK = 16
+READER = Path(__file__).resolve().parent / "csrc" / "block_read.cpp"
 
 
 def pools(layers: int, batch: int, context: int, kv_heads: int, head_dim: int):
@@ -78,8 +80,16 @@ def main() -> None:
         if reference is None:
             reference = out
         torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    # The ceiling: the same blocks read (and summed) in the same order, nothing else.
+    reader = build_extension("block_read", READER)
     times: dict[str, list[float]] = {name: [] for name in kernels}
+    read_times: list[float] = []
     for _ in range(args.rounds):
+        if reader is not None:
+            start = time.perf_counter()
+            for layer in range(args.layers):
+                reader.block_read(caches[layer].data[0], caches[layer].data[1], tables[layer])
+            read_times.append((time.perf_counter() - start) / args.layers)
         for name, kernel in kernels.items():
             start = time.perf_counter()
             for layer in range(args.layers):
@@ -89,6 +99,11 @@ def main() -> None:
     kv_bytes = args.batch * args.context * 2 * args.kv_heads * args.head_dim * 4
     print(f"batch {args.batch} x {args.context} tokens, {args.layers} layers "
           f"({kv_bytes * args.layers / 1e6:.0f} MB of K/V a step), {args.threads} threads")
+    if read_times:
+        per_layer = statistics.median(read_times)
+        print(f"  {'read only':10s} {per_layer * 1e3:7.3f} ms per layer  "
+              f"{kv_bytes / per_layer / 1e9:5.1f} GB/s  (the same blocks summed: the "
+              "ceiling)")
     base = statistics.median(times[next(iter(kernels))])
     for name, values in times.items():
         per_layer = statistics.median(values)
