@@ -22,7 +22,10 @@ os.environ.setdefault("TOKENMILL_AUTO_TUNE", "0")
 def pytest_sessionstart(session):
     """Compile (or load) the C++ kernels before any test runs: a fresh checkout builds
     them (~30 s each on two cores), which must not count against a test server's
-    start-up timeout."""
+    start-up timeout. A run capped at another instruction set (tests/test_isa.py runs a
+    few tests so) builds only the kernels its tests use."""
+    if os.environ.get("TOKENMILL_ISA"):
+        return
     from tokenmill.attention.paged_native import native_decode
     from tokenmill.attention.retrieval import native_block_sparse
     from tokenmill.layers import native_linear

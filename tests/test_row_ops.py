@@ -105,7 +105,7 @@ def test_a_build_killed_mid_compile_does_not_hang_later_starts(tmp_path):
     (build_dir / "lock").touch()  # what a killed compile leaves
     result = []
     worker = threading.Thread(target=lambda: result.append(
-        native.build_extension.__wrapped__("row_ops", elsewhere, flags)), daemon=True)
+        native.compiled.__wrapped__("row_ops", elsewhere, flags)), daemon=True)
     worker.start()
     worker.join(timeout=120)
     assert result and result[0] is not None, "the build waited on a stale lock"

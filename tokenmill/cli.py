@@ -12,7 +12,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
+
+from tokenmill.layers.isa import (
+    CHOICES,
+    capped_environment,
+    capped_isa,
+    needs_restart,
+    split_isa_argument,
+)
 
 # command -> (module, function adding its subparser)
 COMMANDS = {
@@ -30,6 +39,11 @@ COMMANDS = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
+    # Read by `main` before anything loads; listed here for --help.
+    parser.add_argument("--isa", choices=CHOICES, default="native",
+                        help="run as a host with this instruction set would: avx2 compiles "
+                             "tokenmill's kernels without AVX-512 and caps PyTorch, oneDNN, "
+                             "MKL and OpenBLAS at AVX2 (also TOKENMILL_ISA); must come first")
     sub = parser.add_subparsers(dest="command", required=True)
     for module, add in COMMANDS.values():
         getattr(importlib.import_module(module), add)(sub)
@@ -41,6 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    try:
+        isa, argv = split_isa_argument(argv)
+        isa = isa or capped_isa()  # TOKENMILL_ISA alone caps the libraries too
+        if isa is not None and needs_restart(isa):
+            # The libraries read their instruction-set switches when they load: start
+            # again with them set (tokenmill/layers/isa.py).
+            os.execve(sys.executable, [sys.executable, "-m", "tokenmill", *argv],
+                      capped_environment(isa))
+    except ValueError as exc:
+        print(f"tokenmill: error: {exc}", file=sys.stderr)
+        return 2
     if argv[:1] == ["train"]:
         train = importlib.import_module("tokenmill.train.cli")
         return train.main(argv[1:])

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from threadpoolctl import threadpool_limits
 
+from tokenmill.layers.isa import capped_isa
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.products import product_policy
 from tokenmill.layers.timing import median_seconds
@@ -96,14 +97,17 @@ def measure_matmul(threads: int, n: int = 2048) -> tuple[float, float]:
 
 def machine_ceilings(threads: int | None = None, refresh: bool = False) -> Ceilings:
     threads = threads or torch.get_num_threads()
-    path = CACHE / f"ceilings-v4-{platform.node()}-{threads}t.json"
+    isa = capped_isa()  # --isa avx2: the capped libraries' ceilings are their own
+    cap = f"-{isa}" if isa else ""
+    path = CACHE / f"ceilings-v4-{platform.node()}-{threads}t{cap}.json"
     if path.is_file() and not refresh:
         return Ceilings(**json.loads(path.read_text()))
     before = torch.get_num_threads()
     try:
         best, torch_own = measure_matmul(threads)
         ceilings = Ceilings(measure_bandwidth(threads), best, threads,
-                            f"{platform.machine()} {os.cpu_count()} cores", torch_own)
+                            f"{platform.machine()} {os.cpu_count()} cores"
+                            + (f", capped at {isa}" if isa else ""), torch_own)
     finally:
         torch.set_num_threads(before)
     path.parent.mkdir(parents=True, exist_ok=True)

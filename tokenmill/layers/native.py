@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.layers.isa import kernel_flags
 from tokenmill.layers.timing import CACHE, cpu_signature
 
 logger = logging.getLogger(__name__)
@@ -34,10 +35,15 @@ def build_key(source: Path, extra_cflags: tuple[str, ...] = ()) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-@functools.cache
 def build_extension(name: str, source: Path, extra_cflags: tuple[str, ...] = ()):
     """The compiled module for `source` (with extra_cflags beside -O3 -march=native
-    -fopenmp), or None (with a warning naming why)."""
+    -fopenmp, and the instruction-set cap's: tokenmill/layers/isa.py), or None (with a
+    warning naming why)."""
+    return compiled(name, source, (*extra_cflags, *kernel_flags()))
+
+
+@functools.cache
+def compiled(name: str, source: Path, extra_cflags: tuple[str, ...]):
     try:
         from torch.utils.cpp_extension import load
 

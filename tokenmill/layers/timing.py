@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tokenmill.layers.isa import capped_isa
+
 # Where measured choices (and compiled kernels) are kept between runs.
 CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
 
@@ -19,9 +21,11 @@ def cpu_signature() -> str:
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.processor()
+        lines = [f"model name: {platform.processor()}"]
     wanted = ("model name", "flags")
-    return "|".join(next((ln for ln in lines if ln.startswith(w)), "") for w in wanted)
+    signature = "|".join(next((ln for ln in lines if ln.startswith(w)), "") for w in wanted)
+    isa = capped_isa()  # a capped run's choices and builds are its own
+    return f"{signature}|capped at {isa}" if isa else signature
 
 
 def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
