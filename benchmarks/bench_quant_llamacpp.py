@@ -34,6 +34,7 @@ from bench_quant import method_options  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.peers import PEERS_DIR, LlamaCppPeer  # noqa: E402
+from tokenmill.layers.isa import llamacpp_build_name  # noqa: E402
 
 GGUF_TYPES = ("F32", "F16", "Q8_0", "Q4_K_M")
 
@@ -48,7 +49,7 @@ def gguf_files(model_dir: Path, kinds: list[str]) -> dict[str, Path]:
         f16 = LlamaCppPeer("f16").gguf_path(str(model_dir))
         q4 = f16.with_name(f16.name.replace("-f16.gguf", "-q4_k_m.gguf"))
         if not q4.is_file():
-            quantize = PEERS_DIR / "llamacpp" / "build" / "bin" / "llama-quantize"
+            quantize = PEERS_DIR / "llamacpp" / llamacpp_build_name() / "bin" / "llama-quantize"
             subprocess.run([str(quantize), str(f16), str(q4), "Q4_K_M"], check=True)
         files[kind] = q4
     return files
@@ -56,7 +57,7 @@ def gguf_files(model_dir: Path, kinds: list[str]) -> dict[str, Path]:
 
 def llama_bench(path: Path, threads: int, prompt: int, new_tokens: int) -> float:
     """llama-bench's decode tokens/s at a context depth of `prompt` tokens."""
-    binary = PEERS_DIR / "llamacpp" / "build" / "bin" / "llama-bench"
+    binary = PEERS_DIR / "llamacpp" / llamacpp_build_name() / "bin" / "llama-bench"
     out = subprocess.run([str(binary), "-m", str(path), "-t", str(threads), "-p", "0",
                           "-n", str(new_tokens), "-d", str(prompt), "-r", "1", "-o", "json"],
                          check=True, capture_output=True, text=True).stdout

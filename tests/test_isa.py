@@ -50,10 +50,14 @@ def test_a_capped_run_keys_its_own_builds_and_choices(monkeypatch):
     from tokenmill.layers.native_linear import SOURCE
 
     native_signature, native_key = cpu_signature(), build_key(SOURCE)
-    assert isa.kernel_flags() == ()
+    assert isa.kernel_flags() == () and isa.llamacpp_build_name() == "build"
     monkeypatch.setenv("TOKENMILL_ISA", "avx2")
     assert cpu_signature() == native_signature + "|capped at avx2"
     assert isa.kernel_flags() == ("-mno-avx512f",)
+    # The llama.cpp peer: a build of its own, AVX2 and no AVX-512.
+    assert isa.llamacpp_build_name() == "build-avx2"
+    assert {"-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_AVX512=OFF"} <= set(
+        isa.LLAMACPP_CMAKE["avx2"])
     assert build_key(SOURCE, isa.kernel_flags()) != native_key
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from tokenmill.bench.ceilings import CACHE
+from tokenmill.layers.isa import LLAMACPP_CMAKE, capped_isa, llamacpp_build_name
 
 # Peers' own environments and builds, and their servers' logs.
 PEERS_DIR = Path(os.environ.get("TOKENMILL_PEERS_DIR", CACHE / "peers"))
@@ -85,9 +86,10 @@ def install_llamacpp(torch_wheel: Path | None, jobs: int) -> None:
             tar.extractall(src, filter="data")
     package = sorted(src.glob("llama_cpp_python-*"))[-1]
     llama = package / "vendor" / "llama.cpp"
-    build = root / "build"
+    build = root / llamacpp_build_name()  # `tokenmill --isa avx2 bench peers install`:
+    isa = capped_isa()                     # an AVX2-only build beside the native one
     _run(["cmake", "-S", llama, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
-          "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON"])
+          "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON", *LLAMACPP_CMAKE.get(isa, ())])
     # llama-quantize: the K-quants (Q4_K_M, ...) the GGUF converter does not write.
     _run(["cmake", "--build", build, "-j", str(jobs), "--target", "llama-server",
           "llama-bench", "llama-quantize"])

@@ -27,6 +27,7 @@ from tokenmill.bench.driver import EngineRun
 from tokenmill.bench.metrics import RequestRecord
 from tokenmill.bench.peer_install import PEERS_DIR, install_peers
 from tokenmill.bench.workload import WorkloadRequest
+from tokenmill.layers.isa import llamacpp_build_name
 
 # Runs llama.cpp's convert_hf_to_gguf.py (argv[1]) with its remaining arguments. The
 # converter recognises a BPE tokenizer's pre-tokenizer by hashing how it splits a
@@ -247,7 +248,7 @@ class LlamaCppPeer(ServerPeer):
 
     @property
     def server_binary(self) -> Path | None:
-        built = self.root / "build" / "bin" / "llama-server"
+        built = self.root / llamacpp_build_name() / "bin" / "llama-server"
         if built.is_file():
             return built
         found = shutil.which("llama-server")

@@ -34,6 +34,18 @@ CHOICES = ("native", *LIBRARY_CAPS)
 # tokenmill's kernels: compiled for this CPU, less what the cap takes away.
 KERNEL_FLAGS = {"avx2": ("-mno-avx512f",)}
 
+# The llama.cpp peer under the cap: its own build (build-avx2) with the AVX2 set and no
+# AVX-512, in place of GGML_NATIVE (which would take every instruction the host has).
+LLAMACPP_CMAKE = {"avx2": ("-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON",
+                           "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON",
+                           "-DGGML_AVX512=OFF")}
+
+
+def llamacpp_build_name() -> str:
+    """The llama.cpp peer's build directory name for this process's cap."""
+    isa = capped_isa()
+    return f"build-{isa}" if isa else "build"
+
 
 def capped_isa() -> str | None:
     """The instruction set the process is capped at (TOKENMILL_ISA), None for native."""
