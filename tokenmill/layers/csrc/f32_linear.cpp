@@ -11,8 +11,8 @@
 // independent streams and sums per thread, which measured faster than one block
 // streamed at a time with four accumulators and a software prefetch (about 2x).
 // The work is split over torch's threads by groups of blocks (contiguous memory per
-// thread). GCC vector types keep it portable: 16-lane vectors become one AVX-512
-// register, two AVX2 registers or four SSE ones. Sums run in another order than a BLAS
+// thread). GCC vector types keep it portable: one AVX-512 register per block, or a
+// block in two 8-lane halves (AVX2 registers) without AVX-512. Sums run in another order than a BLAS
 // does (results differ from torch's by rounding only).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -23,16 +23,24 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float vf __attribute__((vector_size(64)));
+constexpr int kLanes = 16;  // a block's channels: the packed layout on every CPU
 
+// The vector the arithmetic runs on: a whole block's 16 lanes with AVX-512, half a block
+// (8 lanes, one AVX2 register) without. A 64-byte GCC vector without AVX-512 is not
+// kept in registers: GCC splits each operation through memory, which measured the
+// product 3-10x slower than OpenBLAS under `--isa avx2` (docs/BENCHMARKS.md), so a
+// block is handled as kParts vectors instead.
 #if defined(__AVX512F__)
+constexpr int kVec = 16;
 constexpr int kRowTile = 8;    // 8 x 3 accumulators + 3 weight vectors of 32 registers
 constexpr int kBlockTile = 3;
 #else
-constexpr int kRowTile = 4;    // 4 x 1 x 2 halves + 2 of 16 registers
+constexpr int kVec = 8;
+constexpr int kRowTile = 6;    // 6 x 1 x 2 halves + 2 + a broadcast of 16 registers
 constexpr int kBlockTile = 1;
 #endif
+constexpr int kParts = kLanes / kVec;
+typedef float vf __attribute__((vector_size(kVec * sizeof(float))));
 constexpr int64_t kChunk = 256;  // columns per pass: 3 blocks x 256 x 64 B = 48 KB
 // Rows per panel: a thread takes its blocks over one panel of rows at a time, so the
 // rows it re-reads for every block group stay in L2 (not the whole x of a 2048-row
@@ -58,10 +66,11 @@ struct Problem {
 // the bias (first chunk) or the partial sums in out, and go back to out.
 template <int MR, int NB>
 void tile(const Problem& p, int64_t b0, int64_t m0, int64_t k0, int64_t k1) {
-  vf acc[MR][NB];
+  constexpr int V = NB * kParts;  // vectors across the tile's blocks
+  vf acc[MR][V];
   for (int m = 0; m < MR; ++m) {
-    for (int j = 0; j < NB; ++j) {
-      const int64_t col = (b0 + j) * kLanes;
+    for (int j = 0; j < V; ++j) {
+      const int64_t col = (b0 + j / kParts) * kLanes + (j % kParts) * kVec;
       if (k0 > 0) acc[m][j] = load(p.out + (m0 + m) * p.ldo + col);
       else if (p.bias) acc[m][j] = load(p.bias + col);
       else acc[m][j] = vf{};
@@ -71,15 +80,17 @@ void tile(const Problem& p, int64_t b0, int64_t m0, int64_t k0, int64_t k1) {
   for (int j = 0; j < NB; ++j) w[j] = p.w + ((b0 + j) * p.K + k0) * kLanes;
   const float* x = p.x + m0 * p.K;
   for (int64_t k = k0; k < k1; ++k) {
-    vf wk[NB];
-    for (int j = 0; j < NB; ++j) wk[j] = load(w[j] + (k - k0) * kLanes);
+    vf wk[V];
+    for (int j = 0; j < V; ++j) wk[j] = load(w[j / kParts] + (k - k0) * kLanes + (j % kParts) * kVec);
     for (int m = 0; m < MR; ++m) {
       const float xm = x[m * p.K + k];
-      for (int j = 0; j < NB; ++j) acc[m][j] += xm * wk[j];
+      for (int j = 0; j < V; ++j) acc[m][j] += xm * wk[j];
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < NB; ++j) store(p.out + (m0 + m) * p.ldo + (b0 + j) * kLanes, acc[m][j]);
+    for (int j = 0; j < V; ++j)
+      store(p.out + (m0 + m) * p.ldo + (b0 + j / kParts) * kLanes + (j % kParts) * kVec,
+            acc[m][j]);
 }
 
 template <int NB, int MR>
