@@ -21,12 +21,13 @@ double block_read(torch::Tensor keys, torch::Tensor values, torch::Tensor tables
   const int64_t count = tables.numel();
   std::vector<double> sums(at::get_num_threads(), 0.0);
   at::parallel_for(0, count, 1, [&](int64_t begin, int64_t end) {
-    typedef float vf __attribute__((vector_size(64)));
+    // 8 lanes: one AVX2 register (a 64-byte vector would go through memory there).
+    typedef float vf __attribute__((vector_size(32)));
     vf a = {}, b = {};
     for (int64_t i = begin; i < end; ++i) {
       const float* kb = k + order[i] * block_floats;
       const float* vb = v + order[i] * block_floats;
-      for (int64_t j = 0; j + 16 <= block_floats; j += 16) {
+      for (int64_t j = 0; j + 8 <= block_floats; j += 8) {
         vf x, y;  // unaligned loads
         std::memcpy(&x, kb + j, sizeof x);
         std::memcpy(&y, vb + j, sizeof y);
@@ -35,7 +36,7 @@ double block_read(torch::Tensor keys, torch::Tensor values, torch::Tensor tables
       }
     }
     double total = 0.0;
-    for (int lane = 0; lane < 16; ++lane) total += a[lane] + b[lane];
+    for (int lane = 0; lane < 8; ++lane) total += a[lane] + b[lane];
     sums[at::get_thread_num()] += total;
   });
   double total = 0.0;

@@ -86,8 +86,9 @@ def install_llamacpp(torch_wheel: Path | None, jobs: int) -> None:
             tar.extractall(src, filter="data")
     package = sorted(src.glob("llama_cpp_python-*"))[-1]
     llama = package / "vendor" / "llama.cpp"
-    build = root / llamacpp_build_name()  # `tokenmill --isa avx2 bench peers install`:
-    isa = capped_isa()                     # an AVX2-only build beside the native one
+    # Under `tokenmill --isa avx2 bench peers install`: an AVX2-only build beside the
+    # native one (tokenmill/layers/isa.py).
+    build, isa = root / llamacpp_build_name(), capped_isa()
     _run(["cmake", "-S", llama, "-B", build, "-DCMAKE_BUILD_TYPE=Release",
           "-DLLAMA_CURL=OFF", "-DBUILD_SHARED_LIBS=ON", *LLAMACPP_CMAKE.get(isa, ())])
     # llama-quantize: the K-quants (Q4_K_M, ...) the GGUF converter does not write.

@@ -4,9 +4,9 @@ TOKENMILL_ISA=avx2 in the environment).
 Hosts differ: some have AVX-512, some only AVX2, and a default chosen on one is not
 known to be right on the other. Where no AVX2-only host is at hand, an AVX-512 host can
 run every kernel the way an AVX2 host would: tokenmill's own kernels are compiled
-without AVX-512 (their AVX2 paths: 6-row x half-block product tiles, the plain decode fold), and the
-libraries beneath are capped by their own switches (PyTorch's vectorised operators,
-oneDNN, MKL, NumPy's OpenBLAS). Every measured choice and compiled kernel is keyed by the
+without AVX-512 (their AVX2 paths: 6-row x half-block product tiles, the plain decode
+fold), and the libraries beneath are capped by their own switches (PyTorch's vectorised
+operators, oneDNN, MKL, NumPy's OpenBLAS). Every measured choice and compiled kernel is keyed by the
 cap (`cpu_signature`), so a capped tune never overwrites the host's own. What this
 cannot change is the hardware under the instructions (cores, caches, memory): on a CPU
 that splits 512-bit operations into two 256-bit halves (AMD Zen 4) AVX2 code loses

@@ -24,11 +24,6 @@ namespace decode {
 
 constexpr int64_t kTile = 16;
 
-// The prefetches' temporal locality hint (3: into every cache level; 2: L2 and below).
-#ifndef TM_PREFETCH_LOCALITY
-#define TM_PREFETCH_LOCALITY 3
-#endif
-
 struct Geometry {
   int64_t heads, kv_heads, group, head_dim, block_size, width;
 };
@@ -54,7 +49,7 @@ struct Prefetch {
     for (const int64_t stop = std::min(total, next + count); next < stop; ++next) {
       const int64_t t = next / (2 * row_lines), within = next % (2 * row_lines);
       const float* base = within < row_lines ? keys : values;
-      __builtin_prefetch(base + offsets[t] + (within % row_lines) * 16, 0, TM_PREFETCH_LOCALITY);
+      __builtin_prefetch(base + offsets[t] + (within % row_lines) * 16);
     }
   }
 };

@@ -39,24 +39,6 @@ using decode::Prefetch;
 using decode::scale_add;
 
 constexpr int64_t kMinTokensPerShare = 64;
-// Tiles of look-ahead: the tile whose lines are requested while one is folded.
-#ifndef TM_PREFETCH_DISTANCE
-#define TM_PREFETCH_DISTANCE 1
-#endif
-constexpr int64_t kAhead = TM_PREFETCH_DISTANCE;
-// Whether the look-ahead runs on into the thread's next item (its first tiles requested
-// while the current item's last are folded).
-#ifdef TM_PREFETCH_ACROSS
-constexpr bool kAcross = true;
-#else
-constexpr bool kAcross = false;
-#endif
-
-// A request's run of tokens [first, last) and its block table.
-struct Span {
-  const int64_t* table = nullptr;
-  int64_t first = 0, last = 0;
-};
 
 // Where the keys (and, at the same offset, the values) of tokens [start, start + n)
 // of a request lie (their rows of all KV heads); n <= kTile.
@@ -75,7 +57,7 @@ inline void tile_offsets(const Geometry& g, const int64_t* table, int64_t start,
 // `state` ([heads][head_dim + 2]).
 void attend_share(const Geometry& g, FoldTile fold, const float* query, const float* k_data,
                   const float* v_data, const int64_t* table, int64_t first, int64_t last,
-                  float scale, float* state, const Span& next) {
+                  float scale, float* state) {
   const int64_t stride = g.head_dim + 2;
   for (int64_t h = 0; h < g.heads; ++h) {
     float* s = state + h * stride;
@@ -83,31 +65,15 @@ void attend_share(const Geometry& g, FoldTile fold, const float* query, const fl
     s[g.head_dim] = kNoScore;  // running maximum
     s[g.head_dim + 1] = 0.0f;  // sum of exponentials
   }
-  // offsets of the tile being folded and of the kAhead tiles after it (a ring).
-  int64_t offsets[kAhead + 1][kTile];
-  auto tile_count = [&](int64_t start) { return std::max<int64_t>(0, std::min(kTile, last - start)); };
-  const int64_t tiles_end = (last - first + kTile - 1) / kTile * kTile;
-  for (int64_t i = 0; i < kAhead; ++i) {
-    const int64_t start = first + i * kTile, n = tile_count(start);
-    if (n > 0) tile_offsets(g, table, start, n, offsets[i]);
-    if (i == 0) continue;
-    Prefetch early;  // the tiles between the first and the first look-ahead: at once
-    early.start(k_data, v_data, offsets[i], n, g.kv_heads * g.head_dim);
-    early.step(early.total);
-  }
+  int64_t offsets[2][kTile];
+  int64_t n = std::min(kTile, last - first);
+  if (n > 0) tile_offsets(g, table, first, n, offsets[0]);
   Prefetch ahead;
-  for (int64_t start = first, tile = 0; start < last; start += kTile, tile = (tile + 1) % (kAhead + 1)) {
-    const int64_t n = tile_count(start);
-    const int64_t far_start = start + kAhead * kTile, far = (tile + kAhead) % (kAhead + 1);
-    int64_t far_n = tile_count(far_start);
-    if (far_n > 0) {
-      tile_offsets(g, table, far_start, far_n, offsets[far]);
-    } else if (kAcross && next.table != nullptr) {  // past the end: the next item's tiles
-      const int64_t position = next.first + (far_start - first) - tiles_end;
-      far_n = std::max<int64_t>(0, std::min(kTile, next.last - position));
-      if (far_n > 0) tile_offsets(g, next.table, position, far_n, offsets[far]);
-    }
-    ahead.start(k_data, v_data, offsets[far], far_n, g.kv_heads * g.head_dim);
+  for (int64_t start = first, tile = 0; start < last; start += kTile, tile ^= 1) {
+    const int64_t next_start = start + kTile;
+    const int64_t next_n = std::max<int64_t>(0, std::min(kTile, last - next_start));
+    if (next_n > 0) tile_offsets(g, table, next_start, next_n, offsets[tile ^ 1]);
+    ahead.start(k_data, v_data, offsets[tile ^ 1], next_n, g.kv_heads * g.head_dim);
 #ifdef TM_PREFETCH_BURST
     ahead.step(ahead.total);
 #endif
@@ -118,6 +84,7 @@ void attend_share(const Geometry& g, FoldTile fold, const float* query, const fl
            v_data + kv * g.head_dim, offsets[tile], n, scale,
            state + kv * g.group * stride, ahead, per_head);
     ahead.step(ahead.total);  // any left over
+    n = next_n;
   }
 }
 
@@ -160,18 +127,15 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
   const int64_t stride = g.head_dim + 2, item_floats = g.heads * stride;
   std::vector<float> states(rows * shares * item_floats);
 
-  auto span = [&](int64_t item) {
-    const int64_t row = item / shares, share = item % shares;
-    const int64_t length = std::min(length_data[row], g.width * g.block_size);
-    const int64_t per_share = (length + shares - 1) / shares;
-    return Span{table_data + row * g.width, std::min(length, share * per_share),
-                std::min(length, (share + 1) * per_share)};
-  };
   at::parallel_for(0, rows * shares, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
-      const Span here = span(item), next = item + 1 < end ? span(item + 1) : Span{};
-      attend_share(g, fold, q_data + (item / shares) * q_stride, k_data, v_data, here.table,
-                   here.first, here.last, s, states.data() + item * item_floats, next);
+      const int64_t row = item / shares, share = item % shares;
+      const int64_t length = std::min(length_data[row], g.width * g.block_size);
+      const int64_t per_share = (length + shares - 1) / shares;
+      attend_share(g, fold, q_data + row * q_stride, k_data, v_data,
+                   table_data + row * g.width, share * per_share,
+                   std::min(length, (share + 1) * per_share), s,
+                   states.data() + item * item_floats);
     }
   });
 

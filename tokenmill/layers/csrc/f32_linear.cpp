@@ -12,8 +12,8 @@
 // streamed at a time with four accumulators and a software prefetch (about 2x).
 // The work is split over torch's threads by groups of blocks (contiguous memory per
 // thread). GCC vector types keep it portable: one AVX-512 register per block, or a
-// block in two 8-lane halves (AVX2 registers) without AVX-512. Sums run in another order than a BLAS
-// does (results differ from torch's by rounding only).
+// block in two 8-lane halves (AVX2 registers) without AVX-512. Sums run in another
+// order than a BLAS does (results differ from torch's by rounding only).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -81,7 +81,8 @@ void tile(const Problem& p, int64_t b0, int64_t m0, int64_t k0, int64_t k1) {
   const float* x = p.x + m0 * p.K;
   for (int64_t k = k0; k < k1; ++k) {
     vf wk[V];
-    for (int j = 0; j < V; ++j) wk[j] = load(w[j / kParts] + (k - k0) * kLanes + (j % kParts) * kVec);
+    for (int j = 0; j < V; ++j)
+      wk[j] = load(w[j / kParts] + (k - k0) * kLanes + (j % kParts) * kVec);
     for (int m = 0; m < MR; ++m) {
       const float xm = x[m * p.K + k];
       for (int j = 0; j < V; ++j) acc[m][j] += xm * wk[j];
