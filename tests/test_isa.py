@@ -71,12 +71,14 @@ def avx512_instructions(module) -> int:
 @pytest.mark.skipif("avx512f" not in cpu_signature(), reason="the host has no AVX-512")
 def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(monkeypatch):
     """Under the cap, in a process of its own (the libraries read their caps when they
-    load): the product and decode kernels against torch, and greedy tokens and log
+    load): the product, quantized product and decode kernels against their references
+    (torch, the dequantized weight in float64), and greedy tokens and log
     probabilities against transformers through the native products (AVX2 tiles), the
     in-place decode kernel (plain fold), oneDNN and OpenBLAS (capped)."""
     selected = [
         "tests/test_cpu_blas.py::test_native_kernel_at_odd_widths_equals_torch",
         "tests/kv/test_paged_native.py::test_the_kernel_equals_gathered_attention",
+        "tests/quant/test_kernels.py::test_quantized_product_equals_the_dequantized_reference",
         "tests/test_parity.py::test_greedy_tokens_and_logprobs_match_transformers"
         "[qwen2-native]",
         "tests/test_parity.py::test_greedy_tokens_and_logprobs_match_transformers"
@@ -95,10 +97,12 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     # The builds that ran have no AVX-512 in them (the host's own decode kernel does).
     from tokenmill.attention.paged_native import SOURCE as DECODE
     from tokenmill.layers.native_linear import SOURCE as PRODUCTS
+    from tokenmill.quant.kernels import SOURCE as QUANTIZED
 
     native = build_extension("paged_decode", DECODE, ("-ffast-math",))
     monkeypatch.setenv("TOKENMILL_ISA", "avx2")
     for name, source, flags in (("f32_linear", PRODUCTS, ()),
+                                ("qlinear", QUANTIZED, ()),
                                 ("paged_decode", DECODE, ("-ffast-math",))):
         assert avx512_instructions(build_extension(name, source, flags)) == 0
     monkeypatch.delenv("TOKENMILL_ISA")

@@ -10,8 +10,10 @@
 //   scales, offsets [blocks][K / group][16] float32
 // Activations stay float32 (W8A32 / W4A32): codes are widened and scaled in
 // registers, so the result equals a product with the dequantized float32 weight up to
-// the order of the sums. GCC vector types keep it portable: 16-lane vectors become
-// one AVX-512 register, two AVX2 registers or four SSE ones, whatever -march gives.
+// the order of the sums. GCC vector types keep it portable: a block's 16 lanes are one
+// AVX-512 register, or two 8-lane halves (AVX2 registers) without AVX-512 -- a 64-byte
+// GCC vector there is split through memory, which measured these products 6-10x
+// slower under `--isa avx2` (docs/BENCHMARKS.md), as it did the float32 kernel.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -24,57 +26,82 @@
 
 namespace {
 
-constexpr int kLanes = 16;
-typedef float vf __attribute__((vector_size(64)));
-
+constexpr int kLanes = 16;  // a block's output channels: the packed layout on every CPU
 #if defined(__AVX512F__)
+constexpr int kVec = 16;
 constexpr int kRowTile = 8;  // 32 vector registers: 8 accumulators and the rest
 #else
-constexpr int kRowTile = 4;  // 16 registers of half a vector each
+constexpr int kVec = 8;
+constexpr int kRowTile = 6;  // 16 registers: 4 rows x 2 halves of accumulators and the rest
 #endif
+constexpr int kParts = kLanes / kVec;
+typedef float vf __attribute__((vector_size(kVec * sizeof(float))));
 
-inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+// A block's 16 lanes as kParts register-sized vectors; the arithmetic runs per part.
+struct Lanes {
+  vf part[kParts];
+  Lanes& operator+=(const Lanes& o) {
+    for (int i = 0; i < kParts; ++i) part[i] += o.part[i];
+    return *this;
+  }
+};
+inline Lanes operator+(Lanes a, const Lanes& b) { return a += b; }
+inline Lanes operator*(const Lanes& a, const Lanes& b) {
+  Lanes r;
+  for (int i = 0; i < kParts; ++i) r.part[i] = a.part[i] * b.part[i];
+  return r;
+}
+inline Lanes operator*(float s, const Lanes& a) {
+  Lanes r;
+  for (int i = 0; i < kParts; ++i) r.part[i] = s * a.part[i];
+  return r;
+}
+inline Lanes operator*(const Lanes& a, float s) { return s * a; }
+
+inline Lanes load(const float* p) { Lanes v; std::memcpy(&v, p, sizeof v); return v; }
 
 // Widening 16 codes to 16 floats. GCC turns __builtin_convertvector from bytes into
 // scalar code on AVX2 (and from int8 even on AVX-512), so the widening is spelled
 // out per instruction set; only the float arithmetic is left to the vector types.
 #if defined(__AVX512F__)
-inline vf bytes_to_float(__m128i b, bool is_signed) {
+inline Lanes bytes_to_float(__m128i b, bool is_signed) {
   const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
-  return (vf)_mm512_cvtepi32_ps(wide);
+  return Lanes{{(vf)_mm512_cvtepi32_ps(wide)}};
 }
 #elif defined(__AVX2__)
-inline vf bytes_to_float(__m128i b, bool is_signed) {
+inline Lanes bytes_to_float(__m128i b, bool is_signed) {
   const __m128i upper = _mm_srli_si128(b, 8);
-  union { __m256 half[2]; vf whole; } v;
-  v.half[0] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
-  v.half[1] = _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(upper)
-                                           : _mm256_cvtepu8_epi32(upper));
-  return v.whole;
+  return Lanes{{(vf)_mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b)
+                                                 : _mm256_cvtepu8_epi32(b)),
+                (vf)_mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(upper)
+                                                 : _mm256_cvtepu8_epi32(upper))}};
 }
 #endif
 
-inline vf widen_int8(const int8_t* p) {
+inline Lanes widen_int8(const int8_t* p) {
 #if defined(__AVX2__)
   return bytes_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), true);
 #else
-  vf v;
+  float v[kLanes];
   for (int i = 0; i < kLanes; ++i) v[i] = p[i];
-  return v;
+  return load(v);
 #endif
 }
 
-inline void widen_int4(const uint8_t* p, vf& low, vf& high) {
+inline void widen_int4(const uint8_t* p, Lanes& low, Lanes& high) {
 #if defined(__AVX2__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(15);
   low = bytes_to_float(_mm_and_si128(b, mask), false);
   high = bytes_to_float(_mm_and_si128(_mm_srli_epi16(b, 4), mask), false);
 #else
+  float l[kLanes], h[kLanes];
   for (int i = 0; i < kLanes; ++i) {
-    low[i] = p[i] & 15;
-    high[i] = p[i] >> 4;
+    l[i] = p[i] & 15;
+    h[i] = p[i] >> 4;
   }
+  low = load(l);
+  high = load(h);
 #endif
 }
 
@@ -93,13 +120,13 @@ inline int64_t lanes_of(const Problem& p, int64_t b) {
   return std::min<int64_t>(kLanes, p.N - b * kLanes);
 }
 
-inline vf bias_of(const Problem& p, int64_t b) {
+inline Lanes bias_of(const Problem& p, int64_t b) {
   float tmp[kLanes] = {};
   if (p.bias) std::memcpy(tmp, p.bias + b * kLanes, lanes_of(p, b) * sizeof(float));
   return load(tmp);
 }
 
-inline void store_row(const Problem& p, int64_t b, int64_t m, const vf& v) {
+inline void store_row(const Problem& p, int64_t b, int64_t m, const Lanes& v) {
   float tmp[kLanes];
   std::memcpy(tmp, &v, sizeof tmp);
   std::memcpy(p.out + m * p.N + b * kLanes, tmp, lanes_of(p, b) * sizeof(float));
@@ -111,18 +138,18 @@ inline void store_row(const Problem& p, int64_t b, int64_t m, const vf& v) {
 // the group's end: int4 adds offset * (the group's sum of x) there.
 template <bool INT4>
 void one_row(const Problem& p, int64_t b) {
-  vf acc = bias_of(p, b);
+  Lanes acc = bias_of(p, b);
   const int64_t groups = p.K / p.group;
   const float* x = p.x;
   for (int64_t g = 0; g < groups; ++g) {
-    const vf scale = load(p.scales + (b * groups + g) * kLanes);
+    const Lanes scale = load(p.scales + (b * groups + g) * kLanes);
     const int64_t k0 = g * p.group, k1 = k0 + p.group;
-    vf a = {}, c = {}, d = {}, e = {};
+    Lanes a{}, c{}, d{}, e{};
     int64_t k = k0;
     if constexpr (INT4) {
       const uint8_t* codes = p.codes + (b * (p.K / 2) + k0 / 2) * kLanes;
       for (; k + 4 <= k1; k += 4, codes += 2 * kLanes) {
-        vf l0, h0, l1, h1;
+        Lanes l0, h0, l1, h1;
         widen_int4(codes, l0, h0);
         widen_int4(codes + kLanes, l1, h1);
         a += x[k] * l0;
@@ -131,12 +158,12 @@ void one_row(const Problem& p, int64_t b) {
         e += x[k + 3] * h1;
       }
       for (; k < k1; k += 2, codes += kLanes) {
-        vf l0, h0;
+        Lanes l0, h0;
         widen_int4(codes, l0, h0);
         a += x[k] * l0;
         c += x[k + 1] * h0;
       }
-      const vf offset = load(p.offsets + (b * groups + g) * kLanes);
+      const Lanes offset = load(p.offsets + (b * groups + g) * kLanes);
       acc += ((a + c) + (d + e)) * scale + offset * p.group_sums[g];
     } else {
       const int8_t* codes = reinterpret_cast<const int8_t*>(p.codes) + (b * p.K + k0) * kLanes;
@@ -154,38 +181,50 @@ void one_row(const Problem& p, int64_t b) {
 }
 
 // Rows [m0, m0 + MR) of output block b: each column's codes are dequantized once in
-// registers and used by all MR rows.
+// registers and used by all MR rows. The accumulators are a plain array of vectors
+// (an array of Lanes made GCC store every one of them back to the stack each column).
 template <int MR, bool INT4>
 void tile(const Problem& p, int64_t b, int64_t m0) {
-  vf acc[MR];
-  const vf init = bias_of(p, b);
-  for (int m = 0; m < MR; ++m) acc[m] = init;
+  vf acc[MR][kParts];
+  const Lanes init = bias_of(p, b);
+  for (int m = 0; m < MR; ++m)
+    for (int i = 0; i < kParts; ++i) acc[m][i] = init.part[i];
   const int64_t groups = p.K / p.group;
   const float* x = p.x + m0 * p.K;
   for (int64_t g = 0; g < groups; ++g) {
-    const vf scale = load(p.scales + (b * groups + g) * kLanes);
+    const Lanes scale = load(p.scales + (b * groups + g) * kLanes);
     const int64_t k0 = g * p.group, k1 = k0 + p.group;
     if constexpr (INT4) {
-      const vf offset = load(p.offsets + (b * groups + g) * kLanes);
+      const Lanes offset = load(p.offsets + (b * groups + g) * kLanes);
       const uint8_t* codes = p.codes + (b * (p.K / 2) + k0 / 2) * kLanes;
       for (int64_t k = k0; k < k1; k += 2, codes += kLanes) {
-        vf low, high;
+        Lanes low, high;
         widen_int4(codes, low, high);
-        const vf w0 = low * scale + offset, w1 = high * scale + offset;
+        const Lanes w0 = low * scale + offset, w1 = high * scale + offset;
         for (int m = 0; m < MR; ++m) {
-          acc[m] += x[m * p.K + k] * w0;
-          acc[m] += x[m * p.K + k + 1] * w1;
+          const float x0 = x[m * p.K + k], x1 = x[m * p.K + k + 1];
+          for (int i = 0; i < kParts; ++i) {
+            acc[m][i] += x0 * w0.part[i];
+            acc[m][i] += x1 * w1.part[i];
+          }
         }
       }
     } else {
       const int8_t* codes = reinterpret_cast<const int8_t*>(p.codes) + (b * p.K + k0) * kLanes;
       for (int64_t k = k0; k < k1; ++k, codes += kLanes) {
-        const vf w = widen_int8(codes) * scale;
-        for (int m = 0; m < MR; ++m) acc[m] += x[m * p.K + k] * w;
+        const Lanes w = widen_int8(codes) * scale;
+        for (int m = 0; m < MR; ++m) {
+          const float xm = x[m * p.K + k];
+          for (int i = 0; i < kParts; ++i) acc[m][i] += xm * w.part[i];
+        }
       }
     }
   }
-  for (int m = 0; m < MR; ++m) store_row(p, b, m0 + m, acc[m]);
+  for (int m = 0; m < MR; ++m) {
+    Lanes row;
+    for (int i = 0; i < kParts; ++i) row.part[i] = acc[m][i];
+    store_row(p, b, m0 + m, row);
+  }
 }
 
 template <bool INT4, int MR>
