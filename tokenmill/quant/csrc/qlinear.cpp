@@ -79,8 +79,15 @@ inline Lanes bytes_to_float(__m128i b, bool is_signed) {
 #endif
 
 inline Lanes widen_int8(const int8_t* p) {
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
   return bytes_to_float(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), true);
+#elif defined(__AVX2__)
+  // Each half sign-extended straight from memory (no load and byte shift first).
+  const auto half = [](const int8_t* q) {
+    return (vf)_mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q))));
+  };
+  return Lanes{{half(p), half(p + 8)}};
 #else
   float v[kLanes];
   for (int i = 0; i < kLanes; ++i) v[i] = p[i];
@@ -89,7 +96,17 @@ inline Lanes widen_int8(const int8_t* p) {
 }
 
 inline void widen_int4(const uint8_t* p, Lanes& low, Lanes& high) {
-#if defined(__AVX2__)
+#if defined(__AVX2__) && !defined(__AVX512F__)
+  // Eight bytes at a time zero-extended straight from memory to 32 bits, then split
+  // into nibbles there (fewer shuffles than splitting the bytes first).
+  const __m256i mask = _mm256_set1_epi32(15);
+  for (int i = 0; i < kParts; ++i) {
+    const __m256i wide = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + i * kVec)));
+    low.part[i] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(wide, mask));
+    high.part[i] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
+  }
+#elif defined(__AVX2__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(15);
   low = bytes_to_float(_mm_and_si128(b, mask), false);
@@ -135,7 +152,10 @@ inline void store_row(const Problem& p, int64_t b, int64_t m, const Lanes& v) {
 // One row (decode at batch 1): the product streams the weight once and is bound by
 // how fast codes are widened, so each group's codes are summed unscaled into four
 // independent accumulators (an FMA's latency spans four issues) and scaled once at
-// the group's end: int4 adds offset * (the group's sum of x) there.
+// the group's end: int4 adds offset * (the group's sum of x) there. In 8-lane halves
+// four accumulators are eight registers already, so the third and fourth column add
+// into the first two: eight would not fit 16 registers beside the widened codes, and
+// GCC kept two of them on the stack (int4 at half the speed).
 template <bool INT4>
 void one_row(const Problem& p, int64_t b) {
   Lanes acc = bias_of(p, b);
@@ -144,7 +164,9 @@ void one_row(const Problem& p, int64_t b) {
   for (int64_t g = 0; g < groups; ++g) {
     const Lanes scale = load(p.scales + (b * groups + g) * kLanes);
     const int64_t k0 = g * p.group, k1 = k0 + p.group;
-    Lanes a{}, c{}, d{}, e{};
+    Lanes a{}, c{}, d_own{}, e_own{};
+    Lanes& d = kParts == 1 ? d_own : a;
+    Lanes& e = kParts == 1 ? e_own : c;
     int64_t k = k0;
     if constexpr (INT4) {
       const uint8_t* codes = p.codes + (b * (p.K / 2) + k0 / 2) * kLanes;
@@ -164,7 +186,7 @@ void one_row(const Problem& p, int64_t b) {
         c += x[k + 1] * h0;
       }
       const Lanes offset = load(p.offsets + (b * groups + g) * kLanes);
-      acc += ((a + c) + (d + e)) * scale + offset * p.group_sums[g];
+      acc += ((a + c) + (d_own + e_own)) * scale + offset * p.group_sums[g];
     } else {
       const int8_t* codes = reinterpret_cast<const int8_t*>(p.codes) + (b * p.K + k0) * kLanes;
       for (; k + 4 <= k1; k += 4, codes += 4 * kLanes) {
@@ -174,7 +196,7 @@ void one_row(const Problem& p, int64_t b) {
         e += x[k + 3] * widen_int8(codes + 3 * kLanes);
       }
       for (; k < k1; ++k, codes += kLanes) a += x[k] * widen_int8(codes);
-      acc += ((a + c) + (d + e)) * scale;
+      acc += ((a + c) + (d_own + e_own)) * scale;
     }
   }
   store_row(p, b, 0, acc);
