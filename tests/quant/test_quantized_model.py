@@ -5,6 +5,7 @@ greedy tokens identical, dense and MoE, tied and untied LM heads."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.engine_run import run_staggered
 from tests.models import TOKENIZER_CORPUS
@@ -118,3 +119,26 @@ def test_layers_the_group_size_does_not_divide_keep_float_weights(llama_dir, cap
     assert quantized == {f"model.layers.{i}.mlp.down_proj" for i in range(2)}
     warnings = [r.getMessage() for r in caplog.records if "keep float weights" in r.getMessage()]
     assert len(warnings) == 1 and "64 input columns" in warnings[0]
+
+
+@pytest.mark.parametrize("cpu_blas, quantization, expected", [
+    ("numpy", "int8", 2), ("numpy", "none", 1), ("native", "int8", 2)])
+def test_quantized_kernels_keep_torchs_threads_in_a_step(llama_dir, monkeypatch, cpu_blas,
+                                                          quantization, expected):
+    """A NumPy base confines torch to one thread in a step (its BLAS has the cores); the
+    quantized kernels run on torch's pool, so with quantization they keep both threads
+    (they ran int8 decode on one core before)."""
+    seen: list[int] = []
+    original = Linear.forward
+
+    def recording(self, x):
+        seen.append(torch.get_num_threads())
+        return original(self, x)
+
+    monkeypatch.setattr(Linear, "forward", recording)
+    engine = LLMEngine.from_kwargs(str(llama_dir), progress=False, num_threads=2,
+                                   cpu_blas=cpu_blas, quantization=quantization)
+    seen.clear()
+    engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))
+    engine.run_to_completion()
+    assert seen and set(seen) == {expected}

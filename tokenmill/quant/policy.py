@@ -1,11 +1,13 @@
 """The product policy with weight quantization: quantizable layers that no exclusion
 pattern names take the quantized method, every other layer the base policy's (oneDNN,
-NumPy or torch), and everything a step needs around its products stays the base's."""
+NumPy or torch), and everything a step needs around its products stays the base's --
+except that the quantized kernels keep torch's threads in a step (a NumPy base would
+confine torch to one thread for its BLAS)."""
 
 from __future__ import annotations
 
 import logging
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from fnmatch import fnmatchcase
 
 import torch
@@ -27,19 +29,27 @@ def scheme_for(config: QuantConfig) -> QuantScheme:
 
 class WrappedProducts(ProductPolicy):
     """A base policy with some layers given another method (`override`): everything a
-    step needs around its products (threads, step context, row padding) stays the base's."""
+    step needs around its products (threads, row padding) stays the base's, and its step
+    context too unless a layer took the other method: those kernels (tokenmill's own,
+    on torch's thread pool) would run on one thread under a base that confines torch to
+    one for its BLAS (NumPy's), which measured int8 decode 1.6x slower."""
 
     def __init__(self, base: ProductPolicy, name: str) -> None:
         super().__init__(base.device)
         self.base = base
         self.name = f"{base.name}, {name}"
         self.repacks_weights = base.repacks_weights
+        self.overridden = False  # whether select gave any layer the other method
 
     def override(self, prefix: str, layer: Linear) -> QuantizedLinearMethod | None:
         raise NotImplementedError
 
     def select(self, prefix: str, layer: Linear) -> LinearMethod:
-        return self.override(prefix, layer) or self.base.select(prefix, layer)
+        method = self.override(prefix, layer)
+        if method is None:
+            return self.base.select(prefix, layer)
+        self.overridden = True
+        return method
 
     def planned_weight_bytes(self, prefix: str, layer: Linear, dtype: torch.dtype) -> int:
         method = self.override(prefix, layer)
@@ -51,7 +61,7 @@ class WrappedProducts(ProductPolicy):
         self.base.configure_threads(num_threads)
 
     def step_context(self) -> AbstractContextManager[None]:
-        return self.base.step_context()
+        return nullcontext() if self.overridden else self.base.step_context()
 
     def padded_rows(self, num_rows: int) -> int:
         return self.base.padded_rows(num_rows)
