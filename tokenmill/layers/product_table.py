@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -133,7 +134,7 @@ def implausible(seconds: dict[str, dict[int, float]]) -> list[tuple[str, int]]:
     cells = []
     for candidate, times in seconds.items():
         counts = sorted(times)
-        cells += [(candidate, n) for n, larger in zip(counts, counts[1:])
+        cells += [(candidate, n) for n, larger in itertools.pairwise(counts)
                   if times[n] > times[larger]]
     return cells
 
