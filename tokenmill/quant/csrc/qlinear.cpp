@@ -32,7 +32,7 @@ constexpr int kVec = 16;
 constexpr int kRowTile = 8;  // 32 vector registers: 8 accumulators and the rest
 #else
 constexpr int kVec = 8;
-constexpr int kRowTile = 6;  // 16 registers: 4 rows x 2 halves of accumulators and the rest
+constexpr int kRowTile = 6;  // 16 registers: 6 x 2 accumulator halves, 2 weight halves, x
 #endif
 constexpr int kParts = kLanes / kVec;
 typedef float vf __attribute__((vector_size(kVec * sizeof(float))));
@@ -68,14 +68,6 @@ inline Lanes bytes_to_float(__m128i b, bool is_signed) {
   const __m512i wide = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
   return Lanes{{(vf)_mm512_cvtepi32_ps(wide)}};
 }
-#elif defined(__AVX2__)
-inline Lanes bytes_to_float(__m128i b, bool is_signed) {
-  const __m128i upper = _mm_srli_si128(b, 8);
-  return Lanes{{(vf)_mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(b)
-                                                 : _mm256_cvtepu8_epi32(b)),
-                (vf)_mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(upper)
-                                                 : _mm256_cvtepu8_epi32(upper))}};
-}
 #endif
 
 inline Lanes widen_int8(const int8_t* p) {
@@ -106,7 +98,7 @@ inline void widen_int4(const uint8_t* p, Lanes& low, Lanes& high) {
     low.part[i] = (vf)_mm256_cvtepi32_ps(_mm256_and_si256(wide, mask));
     high.part[i] = (vf)_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4));
   }
-#elif defined(__AVX2__)
+#elif defined(__AVX512F__)
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   const __m128i mask = _mm_set1_epi8(15);
   low = bytes_to_float(_mm_and_si128(b, mask), false);
