@@ -121,13 +121,17 @@ def test_layers_the_group_size_does_not_divide_keep_float_weights(llama_dir, cap
     assert len(warnings) == 1 and "64 input columns" in warnings[0]
 
 
-@pytest.mark.parametrize("cpu_blas, quantization, expected", [
-    ("numpy", "int8", 2), ("numpy", "none", 1), ("native", "int8", 2)])
+@pytest.mark.parametrize("cpu_blas, options, expected", [
+    ("numpy", {"quantization": "int8"}, 2), ("numpy", {}, 1),
+    ("native", {"quantization": "int8"}, 2),
+    ("numpy", {"quantization": "int8", "quantization_exclude": "lm_head"}, 1)])
 def test_quantized_kernels_keep_torchs_threads_in_a_step(llama_dir, monkeypatch, cpu_blas,
-                                                          quantization, expected):
+                                                          options, expected):
     """A NumPy base confines torch to one thread in a step (its BLAS has the cores); the
-    quantized kernels run on torch's pool, so with quantization they keep both threads
-    (they ran int8 decode on one core before)."""
+    quantized kernels run on torch's pool, so a model quantized throughout keeps both
+    threads (they ran int8 decode on one core before). With a layer left on OpenBLAS
+    the step stays confined (unconfined, the two pools' spinning threads measured
+    slower)."""
     seen: list[int] = []
     original = Linear.forward
 
@@ -137,7 +141,7 @@ def test_quantized_kernels_keep_torchs_threads_in_a_step(llama_dir, monkeypatch,
 
     monkeypatch.setattr(Linear, "forward", recording)
     engine = LLMEngine.from_kwargs(str(llama_dir), progress=False, num_threads=2,
-                                   cpu_blas=cpu_blas, quantization=quantization)
+                                   cpu_blas=cpu_blas, **options)
     seen.clear()
     engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))
     engine.run_to_completion()

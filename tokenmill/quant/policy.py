@@ -1,8 +1,8 @@
 """The product policy with weight quantization: quantizable layers that no exclusion
 pattern names take the quantized method, every other layer the base policy's (oneDNN,
 NumPy or torch), and everything a step needs around its products stays the base's --
-except that the quantized kernels keep torch's threads in a step (a NumPy base would
-confine torch to one thread for its BLAS)."""
+except that a model quantized throughout keeps torch's threads in a step (a NumPy base
+would confine torch to one thread for its BLAS, and the quantized kernels with it)."""
 
 from __future__ import annotations
 
@@ -30,16 +30,19 @@ def scheme_for(config: QuantConfig) -> QuantScheme:
 class WrappedProducts(ProductPolicy):
     """A base policy with some layers given another method (`override`): everything a
     step needs around its products (threads, row padding) stays the base's, and its step
-    context too unless a layer took the other method: those kernels (tokenmill's own,
-    on torch's thread pool) would run on one thread under a base that confines torch to
-    one for its BLAS (NumPy's), which measured int8 decode 1.6x slower."""
+    context too unless every layer took the other method. Those kernels (tokenmill's
+    own, on torch's thread pool) run on one thread under a base that confines torch to
+    one for its BLAS (NumPy's): int8 decode measured 1.6x slower so. Where some layers
+    keep the base's BLAS (an excluded LM head), its context stays: unconfined, torch's
+    and OpenBLAS's spinning threads fought, 1.4-1.6x slower than confined."""
 
     def __init__(self, base: ProductPolicy, name: str) -> None:
         super().__init__(base.device)
         self.base = base
         self.name = f"{base.name}, {name}"
         self.repacks_weights = base.repacks_weights
-        self.overridden = False  # whether select gave any layer the other method
+        # Whether select gave any layer the other method, and any the base's.
+        self.overridden = self.kept_base = False
 
     def override(self, prefix: str, layer: Linear) -> QuantizedLinearMethod | None:
         raise NotImplementedError
@@ -47,6 +50,7 @@ class WrappedProducts(ProductPolicy):
     def select(self, prefix: str, layer: Linear) -> LinearMethod:
         method = self.override(prefix, layer)
         if method is None:
+            self.kept_base = True
             return self.base.select(prefix, layer)
         self.overridden = True
         return method
@@ -61,7 +65,9 @@ class WrappedProducts(ProductPolicy):
         self.base.configure_threads(num_threads)
 
     def step_context(self) -> AbstractContextManager[None]:
-        return nullcontext() if self.overridden else self.base.step_context()
+        if self.overridden and not self.kept_base:
+            return nullcontext()
+        return self.base.step_context()
 
     def padded_rows(self, num_rows: int) -> int:
         return self.base.padded_rows(num_rows)
