@@ -27,19 +27,15 @@ the table is its own work:
 
 from __future__ import annotations
 
-import argparse
 import collections
-import random
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import MODEL_DIR, build_model  # noqa: E402
-from bench_prefill import decoder_weights, parse_config  # noqa: E402
+from bench_prefill import decoder_weights, engines, prepare  # noqa: E402
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.bench.ceilings import machine_ceilings  # noqa: E402
+from tokenmill import SamplingParams  # noqa: E402
 from tokenmill.layers.linear import Linear  # noqa: E402
 
 PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
@@ -69,7 +65,6 @@ class ExclusiveTimer:
             self._handles.append(module.register_forward_pre_hook(self._enter(kind)))
             self._handles.append(module.register_forward_hook(
                 self._leave(module if isinstance(module, Linear) else None)))
-        self._root = model
 
     def _enter(self, kind: str):
         def hook(module, args):
@@ -114,30 +109,11 @@ def print_table(timer: ExclusiveTimer, wall: float, ceiling: float) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--configs", nargs="+", default=["native:cpu_blas=native"])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=2)
-    args = parser.parse_args()
-    model = args.model or str(build_model(MODEL_DIR))
-    ceilings = machine_ceilings(args.threads)
-    print(f"ceilings: {ceilings.matmul_gflops:.1f} GFLOP/s fp32 GEMM, "
-          f"{ceilings.bandwidth_gbs:.1f} GB/s ({ceilings.machine}, {args.threads} threads)")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
-               for _ in range(args.requests)]
-    for text in args.configs:
-        name, options = parse_config(text)
-        llm = LLM(model, progress=False, num_threads=args.threads,
-                  enable_prefix_caching=False, **options)
+    args, model, ceilings, prompts = prepare(__doc__.splitlines()[0], new_tokens=1)
+    for name, llm in engines(args, model, prompts):
         runner = llm.engine.executor.worker.runner
         flops_per_token = 2 * decoder_weights(runner.arch)
         timer = ExclusiveTimer(runner.model)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
         for round_ in range(args.rounds):
             timer.reset()
             timer.enabled = True
@@ -153,8 +129,7 @@ def main() -> None:
                   f"{decoder:.1f} GFLOP/s ({decoder / ceilings.matmul_gflops:.2f} of the "
                   f"ceiling, as bench_prefill.py counts)")
             print_table(timer, wall, ceilings.matmul_gflops)
-        del llm
-
+        del llm, runner, timer  # before the next engine is built (see engines)
 
 if __name__ == "__main__":
     main()

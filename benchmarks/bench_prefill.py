@@ -17,6 +17,7 @@ import argparse
 import random
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,14 +44,17 @@ def decoder_weights(arch) -> int:
     return arch.num_layers * per_layer
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def prepare(description: str, new_tokens: int
+            ) -> tuple[argparse.Namespace, str, object, list[list[int]]]:
+    """The command line this script and bench_breakdown.py share: (arguments, model
+    directory, this host's ceilings (printed), the seeded random prompts)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default=None)
     parser.add_argument("--configs", nargs="+", default=["native:cpu_blas=native"])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     model = args.model or str(build_model(MODEL_DIR))
@@ -60,13 +64,27 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
                for _ in range(args.requests)]
-    prompt_tokens = args.requests * args.prompt
+    return args, model, ceilings, prompts
+
+
+def engines(args: argparse.Namespace, model: str,
+            prompts: list[list[int]]) -> Iterator[tuple[str, LLM]]:
+    """(name, engine) per --configs entry, prefix caching off, warmed up; one at a time
+    when the caller drops its reference before asking for the next."""
     for text in args.configs:
         name, options = parse_config(text)
         llm = LLM(model, progress=False, num_threads=args.threads,
                   enable_prefix_caching=False, **options)
-        flops_per_token = 2 * decoder_weights(llm.engine.executor.worker.runner.arch)
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+        yield name, llm
+        del llm
+
+
+def main() -> None:
+    args, model, ceilings, prompts = prepare(__doc__.splitlines()[0], new_tokens=128)
+    prompt_tokens = args.requests * args.prompt
+    for name, llm in engines(args, model, prompts):
+        flops_per_token = 2 * decoder_weights(llm.engine.executor.worker.runner.arch)
         for round_ in range(args.rounds):
             started = time.perf_counter()
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
@@ -81,8 +99,7 @@ def main() -> None:
                   f"({gflops / ceilings.matmul_gflops:.2f} of the ceiling); whole "
                   f"{args.requests} x ({args.prompt} + {args.new_tokens}): "
                   f"{args.requests * args.new_tokens / whole:6.1f} out tok/s", flush=True)
-        del llm
-
+        del llm  # before the next engine is built
 
 if __name__ == "__main__":
     main()
