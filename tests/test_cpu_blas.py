@@ -100,7 +100,7 @@ def test_native_kernel_at_odd_widths_equals_torch(rows, shape):
 
 
 @needs_native
-def test_native_keeps_one_copy_checks_shapes_and_saves_the_weight():
+def test_native_keeps_one_copy_checks_shapes_and_saves_the_weight():  # a tied head's too
     plain = Linear(40, 24)
     torch.nn.init.normal_(plain.weight)
     layer = method_layer(plain, "native")
@@ -109,15 +109,18 @@ def test_native_keeps_one_copy_checks_shapes_and_saves_the_weight():
     torch.testing.assert_close(layer.method.checkpoint_weight(layer), plain.weight.detach(),
                                rtol=0, atol=0)
     # The memory plan counts the padded blocks: a router-like 4-row layer takes one
-    # block of 16, a tied head keeps its plain copy beside the packed one.
+    # block of 16; a tied head keeps no plain copy: its embedding reads packed rows.
     policy = product_policy("native", torch.device("cpu"), torch.float32)
-    for rows, tied in ((24, False), (4, False), (4, True)):
+    for rows, tied in ((24, False), (4, False), (4, True), (37, True)):
         reference = Linear(40, rows)
         reference.keep_weight = tied
         torch.nn.init.normal_(reference.weight)
         built = method_layer(reference, "native")
+        assert built.weight.numel() == 0
         assert policy.planned_weight_bytes("x", reference, torch.float32) == \
-            linear_weight_bytes(built)
+            linear_weight_bytes(built) == -(-rows // 16) * 16 * 40 * 4
+        ids = torch.tensor([[rows - 1, 0, rows // 2], [1, rows - 1, 0]])
+        assert torch.equal(built.embedding(ids), reference.weight.detach()[ids])
     with pytest.raises(RuntimeError, match="columns"):
         layer(torch.randn(2, 41))
     with pytest.raises(RuntimeError, match="float32"):

@@ -7,9 +7,9 @@ registers, for every row count: one row streams the weight at the memory's pace
 (oneDNN's packed inner product streamed it at 0.5-0.7 of that on this project's AMD
 hosts), many rows multiply at a rate close to oneDNN's. Measured per host like the
 other paths (`tokenmill tune`, the start-up probe of `--cpu-blas auto`). The packed
-copy replaces the plain weight unless the plain one is read elsewhere (a tied LM
-head's embedding). Sums run in another order than a BLAS does: results differ from
-torch's by rounding.
+copy replaces the plain weight, a tied LM head's too: the embedding reads its rows
+out of the packed blocks (a token's row is one lane of its block). Sums run in another
+order than a BLAS does: results differ from torch's by rounding.
 """
 
 from __future__ import annotations
@@ -48,6 +48,13 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return padded.view(blocks, LANES, in_features).transpose(1, 2).contiguous()
 
 
+def packed_bytes(layer: Linear, dtype: torch.dtype) -> int:
+    """Bytes of the packed form: the output channels rounded up to whole blocks of 16
+    (a MoE router's few rows take a block)."""
+    blocks = -(-layer.out_features // LANES)
+    return blocks * LANES * layer.in_features * dtype.itemsize
+
+
 def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """The [out, in] weight `pack` was given."""
     blocks, in_features, _ = packed.shape
@@ -79,12 +86,16 @@ class NativeLinearMethod(PlainLinearMethod):
     def finalize(self, layer: Linear) -> None:
         layer.native_weight = pack(layer.weight)
         layer.native_bias = padded_bias(layer.bias, layer.native_weight)
-        if not layer.keep_weight:
-            # One copy of the weight from here on: the packed one.
-            layer.weight.data = layer.weight.data.new_empty(0)
+        # One copy of the weight from here on: the packed one (a tied head's embedding
+        # reads it too, see `embedding`).
+        layer.weight.data = layer.weight.data.new_empty(0)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(x, layer.native_weight, layer.native_bias, layer.out_features)
+
+    def embedding(self, layer: Linear, token_ids: torch.Tensor) -> torch.Tensor:
+        # Row r is lane r % 16 of block r // 16: [..., in] gathered from the packed form.
+        return layer.native_weight[token_ids // LANES, :, token_ids % LANES]
 
     def checkpoint_weight(self, layer: Linear) -> torch.Tensor:
         if layer.weight.numel():

@@ -93,19 +93,13 @@ class OneDNNProducts(ProductPolicy):
 
 
 class NativeProducts(ProductPolicy):
-    name = "native"
-    repacks_weights = True
+    name = "native"  # the packed form is the only copy, a tied head's too
 
     def select(self, prefix: str, layer: Linear) -> LinearMethod:
         return LINEAR_METHODS["native"]
 
     def planned_weight_bytes(self, prefix: str, layer: Linear, dtype: torch.dtype) -> int:
-        # The packed form rounds the output channels up to whole blocks of 16 (a MoE
-        # router's few rows take a block), beside the plain copy a tied head keeps.
-        blocks = -(-layer.out_features // native_linear.LANES)
-        packed = blocks * native_linear.LANES * layer.in_features * dtype.itemsize
-        plain = layer.out_features * layer.in_features * dtype.itemsize
-        return packed + (plain if layer.keep_weight else 0)
+        return native_linear.packed_bytes(layer, dtype)
 
 
 class NumpyProducts(ProductPolicy):
