@@ -11,6 +11,7 @@ from tests.engine_run import run_staggered
 from tests.models import TOKENIZER_CORPUS
 from tokenmill import SamplingParams
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.layers import native_linear
 from tokenmill.layers.linear import Linear
 from tokenmill.quant.methods import QuantizedLinearMethod
 
@@ -121,17 +122,24 @@ def test_layers_the_group_size_does_not_divide_keep_float_weights(llama_dir, cap
     assert len(warnings) == 1 and "64 input columns" in warnings[0]
 
 
-@pytest.mark.parametrize("cpu_blas, options, expected", [
-    ("numpy", {"quantization": "int8"}, 2), ("numpy", {}, 1),
-    ("native", {"quantization": "int8"}, 2),
-    ("numpy", {"quantization": "int8", "quantization_exclude": "lm_head"}, 1)])
+@pytest.mark.parametrize("cpu_blas, options, native_builds, expected", [
+    ("numpy", {"quantization": "int8"}, True, 2), ("numpy", {}, True, 1),
+    ("native", {"quantization": "int8"}, True, 2),
+    ("numpy", {"quantization": "int8", "quantization_exclude": "lm_head"}, True, 2),
+    ("numpy", {"quantization": "int8", "quantization_exclude": "lm_head"}, False, 1)])
 def test_quantized_kernels_keep_torchs_threads_in_a_step(llama_dir, monkeypatch, cpu_blas,
-                                                          options, expected):
+                                                          options, native_builds, expected):
     """A NumPy base confines torch to one thread in a step (its BLAS has the cores); the
-    quantized kernels run on torch's pool, so a model quantized throughout keeps both
-    threads (they ran int8 decode on one core before). With a layer left on OpenBLAS
-    the step stays confined (unconfined, the two pools' spinning threads measured
-    slower)."""
+    quantized kernels run on torch's pool, so a quantized model keeps both threads
+    (they ran int8 decode on one core before): its float layers (an excluded head)
+    take the native kernel, on torch's pool too. Where that kernel cannot be built
+    they stay on OpenBLAS and the step stays confined (unconfined, the two pools'
+    spinning threads measured slower)."""
+    if cpu_blas == "native" or native_builds:
+        if not native_linear.available():
+            pytest.skip("no C++ compiler")
+    else:
+        monkeypatch.setattr(native_linear, "available", lambda: False)
     seen: list[int] = []
     original = Linear.forward
 
@@ -142,6 +150,9 @@ def test_quantized_kernels_keep_torchs_threads_in_a_step(llama_dir, monkeypatch,
     monkeypatch.setattr(Linear, "forward", recording)
     engine = LLMEngine.from_kwargs(str(llama_dir), progress=False, num_threads=2,
                                    cpu_blas=cpu_blas, **options)
+    if "quantization_exclude" in options:
+        head = linear_layers(engine)["lm_head"].method.name
+        assert head == ("native" if native_builds else "numpy-transposed")
     seen.clear()
     engine.add_request("a", PROMPTS[0], SamplingParams(temperature=0, max_tokens=3))
     engine.run_to_completion()

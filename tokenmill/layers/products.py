@@ -50,6 +50,8 @@ class ProductPolicy:
     # Whether weights are repacked into a second form (a tied LM head, also read as the
     # embedding table, is then kept twice).
     repacks_weights = False
+    # Whether its step confines torch to one thread (its BLAS has its own threads).
+    confines_torch = False
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -104,6 +106,7 @@ class NativeProducts(ProductPolicy):
 
 class NumpyProducts(ProductPolicy):
     name = "numpy"
+    confines_torch = True
 
     def select(self, prefix: str, layer: Linear) -> LinearMethod:
         return LINEAR_METHODS["numpy-transposed" if is_wide(layer) else "numpy"]

@@ -1,8 +1,9 @@
 """The product policy with weight quantization: quantizable layers that no exclusion
 pattern names take the quantized method, every other layer the base policy's (oneDNN,
-NumPy or torch), and everything a step needs around its products stays the base's --
-except that a model quantized throughout keeps torch's threads in a step (a NumPy base
-would confine torch to one thread for its BLAS, and the quantized kernels with it)."""
+native, NumPy or torch), and everything a step needs around its products stays the
+base's -- except under NumPy's, whose step confines torch to one thread for its BLAS
+(and the quantized kernels with it): there the float layers take the native kernel
+where it builds, and the step keeps torch's threads."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fnmatch import fnmatchcase
 import torch
 
 from tokenmill.config import QuantConfig
+from tokenmill.layers import native_linear
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.linear_method import LinearMethod
 from tokenmill.layers.products import LINEAR_METHODS, ProductPolicy, register_linear_method
@@ -30,25 +32,32 @@ def scheme_for(config: QuantConfig) -> QuantScheme:
 class WrappedProducts(ProductPolicy):
     """A base policy with some layers given another method (`override`): everything a
     step needs around its products (threads, row padding) stays the base's, and its step
-    context too unless every layer took the other method. Those kernels (tokenmill's
-    own, on torch's thread pool) run on one thread under a base that confines torch to
-    one for its BLAS (NumPy's): int8 decode measured 1.6x slower so. Where some layers
-    keep the base's BLAS (an excluded LM head), its context stays: unconfined, torch's
-    and OpenBLAS's spinning threads fought, 1.4-1.6x slower than confined."""
+    context too unless no layer kept the base's method. The other method's kernels
+    (tokenmill's own, on torch's thread pool) run on one thread under a base that
+    confines torch to one for its BLAS (NumPy's): int8 decode measured 1.6x slower so.
+    So under such a base the layers not overridden (an excluded LM head, MoE routers)
+    take the native float kernel, on torch's pool too, where it builds; where they keep
+    the base's BLAS its context stays (unconfined, torch's and OpenBLAS's spinning
+    threads fought: 1.4-1.6x slower than confined)."""
 
     def __init__(self, base: ProductPolicy, name: str) -> None:
         super().__init__(base.device)
         self.base = base
         self.name = f"{base.name}, {name}"
         self.repacks_weights = base.repacks_weights
-        # Whether select gave any layer the other method, and any the base's.
+        # The float layers' method in the base's stead, if any.
+        self.float_method = (LINEAR_METHODS["native"] if base.confines_torch
+                             and native_linear.available() else None)
+        if self.float_method is not None:
+            self.name = f"{self.name} (float layers native)"
+        # Whether select gave any layer another method than the base's, and any the base's.
         self.overridden = self.kept_base = False
 
     def override(self, prefix: str, layer: Linear) -> QuantizedLinearMethod | None:
         raise NotImplementedError
 
     def select(self, prefix: str, layer: Linear) -> LinearMethod:
-        method = self.override(prefix, layer)
+        method = self.override(prefix, layer) or self.float_method
         if method is None:
             self.kept_base = True
             return self.base.select(prefix, layer)
@@ -59,6 +68,8 @@ class WrappedProducts(ProductPolicy):
         method = self.override(prefix, layer)
         if method is not None:
             return method.planned_weight_bytes(layer)
+        if self.float_method is not None:
+            return native_linear.packed_bytes(layer, dtype)
         return self.base.planned_weight_bytes(prefix, layer, dtype)
 
     def configure_threads(self, num_threads: int) -> None:
