@@ -9,6 +9,11 @@ Works against any server that streams server-sent events in the OpenAI format
 The first --warmup requests run before the timed part and are not counted. The run
 stops issuing requests after --num-requests or --duration seconds, whichever comes
 first; every issued request ends as completed or failed (with its error).
+
+The client is aiohttp (as vLLM's serving benchmark): the client shares the server's
+machine here, and httpx's streaming took ~0.4 ms of CPU per event (3-4 s of a core
+for 8192 events), which the server then lacked; aiohttp takes about a tenth of that
+(docs/BENCHMARKS.md, server overhead).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import httpx
+import aiohttp
 from tqdm.auto import tqdm
 
 from tokenmill.bench.metrics import (
@@ -91,19 +96,24 @@ def _payload(config: LoadConfig, request: WorkloadRequest) -> dict:
     return body
 
 
-async def send_request(client: httpx.AsyncClient, config: LoadConfig, request: WorkloadRequest,
-                       request_id: str) -> RequestRecord:
+async def send_request(client: aiohttp.ClientSession, config: LoadConfig,
+                       request: WorkloadRequest, request_id: str) -> RequestRecord:
     """Stream one completion, stamping each chunk that carries text."""
     record = RequestRecord(request_id, request.prompt_len, time.perf_counter())
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     try:
-        async with client.stream("POST", config.base_url.rstrip("/") + "/v1/completions",
-                                 json=_payload(config, request), headers=headers) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode(errors="replace")
-                raise RuntimeError(f"HTTP {response.status_code}: {body[:300]}")
-            async for line in response.aiter_lines():
-                _consume_event(line, record, time.perf_counter())
+        async with client.post(config.base_url.rstrip("/") + "/v1/completions",
+                               json=_payload(config, request), headers=headers) as response:
+            if response.status != 200:
+                body = (await response.read()).decode(errors="replace")
+                raise RuntimeError(f"HTTP {response.status}: {body[:300]}")
+            pending = b""  # a line not yet ended (events are lines; reads cut anywhere)
+            async for data in response.content.iter_any():
+                now = time.perf_counter()
+                *lines, pending = (pending + data).split(b"\n")
+                for line in lines:
+                    _consume_event(line.decode(), record, now)
+            _consume_event(pending.decode(), record, time.perf_counter())
     except Exception as exc:  # noqa: BLE001 - every failure is recorded, none is raised
         record.success = False
         record.error = f"{type(exc).__name__}: {exc}"
@@ -138,9 +148,10 @@ def _consume_event(line: str, record: RequestRecord, now: float) -> None:
 
 async def run_load(config: LoadConfig, workload: Sequence[WorkloadRequest],
                    slo: SLO = NO_SLO, progress: bool = True) -> LoadResult:
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
-    timeout = httpx.Timeout(config.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
+    # timeout_s bounds each wait for the server (a stream may run longer in all).
+    timeout = aiohttp.ClientTimeout(total=None, connect=30.0, sock_read=config.timeout_s)
+    connections = aiohttp.TCPConnector(limit=0)  # no cap: --concurrency is the cap
+    async with aiohttp.ClientSession(timeout=timeout, connector=connections) as client:
         warm = list(workload[:config.num_warmup])
         timed = list(workload[config.num_warmup:])
         if warm:
@@ -149,7 +160,7 @@ async def run_load(config: LoadConfig, workload: Sequence[WorkloadRequest],
         return await _timed_run(client, config, timed, slo, progress)
 
 
-async def _timed_run(client: httpx.AsyncClient, config: LoadConfig,
+async def _timed_run(client: aiohttp.ClientSession, config: LoadConfig,
                      workload: Sequence[WorkloadRequest], slo: SLO, progress: bool
                      ) -> LoadResult:
     slots = asyncio.Semaphore(config.concurrency) if config.concurrency else None
