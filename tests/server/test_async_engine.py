@@ -7,7 +7,12 @@ import time
 
 import pytest
 
-from tokenmill.engine.async_engine import AsyncLLMEngine, EngineStoppedError, QueueFullError
+from tokenmill.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineStoppedError,
+    QueueFullError,
+    RequestStream,
+)
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.sampling_params import SamplingParams
 
@@ -19,9 +24,10 @@ def engine(llama_dir) -> LLMEngine:
     return LLMEngine.from_kwargs(str(llama_dir), progress=False, max_num_seqs=4)
 
 
-def run(engine: LLMEngine, scenario, max_queue: int = 8):
+def run(engine: LLMEngine, scenario, max_queue: int = 8, stream_interval: int = 1):
     async def main():
-        async_engine = AsyncLLMEngine(engine, max_queue=max_queue, check_integrity_when_idle=True)
+        async_engine = AsyncLLMEngine(engine, max_queue=max_queue, check_integrity_when_idle=True,
+                                      stream_interval=stream_interval)
         async_engine.start()
         try:
             return await scenario(async_engine)
@@ -45,6 +51,34 @@ def test_stream_is_cumulative_and_matches_the_sync_engine(engine):
     assert lengths == sorted(lengths)
     assert outputs[-1].outputs[0].token_ids == expected.token_ids
     assert outputs[-1].outputs[0].text == expected.text
+
+
+@pytest.mark.parametrize("interval, expected", [(1, list(range(1, 11))), (4, [1, 5, 9, 10]),
+                                                (32, [1, 10])])
+def test_stream_interval_sends_the_first_token_then_every_n_and_the_last(
+        engine, monkeypatch, interval, expected):
+    ids = engine.encode("def add(a, b):")
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    engine.add_request("sync", ids, params)
+    reference = engine.run_to_completion()["sync"].outputs[0]
+    delivered: list[int] = []
+    deliver = RequestStream.deliver
+
+    def recording(self, item):
+        delivered.append(len(item.outputs[0].token_ids))
+        deliver(self, item)
+
+    monkeypatch.setattr(RequestStream, "deliver", recording)
+
+    async def scenario(async_engine):
+        return [out async for out in async_engine.generate("s", ids, params)]
+
+    outputs = run(engine, scenario, stream_interval=interval)
+    assert delivered == expected
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == reference.token_ids
+    assert outputs[-1].outputs[0].text == reference.text
+    with pytest.raises(ValueError, match="stream_interval"):
+        AsyncLLMEngine(engine, stream_interval=0)
 
 
 def test_leaving_a_stream_early_aborts_and_frees_blocks(engine):

@@ -8,6 +8,7 @@ import openai
 import pytest
 
 from tests.server.conftest import MODEL_NAME
+from tokenmill.cli import main
 from tokenmill.llm import LLM
 from tokenmill.sampling_params import SamplingParams
 
@@ -92,6 +93,23 @@ def test_streamed_completion_concatenates_to_the_full_text(server, offline, asyn
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 16
     assert chunks[-1].choices == []
+
+
+def test_stream_interval_sends_fewer_larger_chunks_of_the_same_text(server_factory, offline,
+                                                                     llama_dir, capsys):
+    server = server_factory("--stream-interval", "5")
+    expected = offline.generate(PROMPT, greedy(16))[0].outputs[0]
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=server.api_key, max_retries=0,
+                           timeout=60)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=16,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    # Tokens 1, 6, 11 and 16 are delivered: at most four chunks carry text.
+    pieces = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(pieces) == expected.text and len(pieces) <= 4
+    assert chunks[-1].usage.completion_tokens == 16
+    assert main(["serve", "--model", str(llama_dir), "--stream-interval", "0"]) == 2
+    assert "--stream-interval must be >= 1" in capsys.readouterr().err
 
 
 def test_streamed_chat_concatenates_to_the_full_text(offline, async_client):

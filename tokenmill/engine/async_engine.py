@@ -6,6 +6,13 @@ abort and step happens there, fed by a thread-safe command queue. Outputs travel
 to the event loop that created each request through `loop.call_soon_threadsafe`.
 When the engine has nothing to do the loop thread blocks on the command queue.
 
+Streaming interval (`stream_interval`, the server's `--stream-interval`, as vLLM's):
+a request's first output goes out at once, then one whenever it has produced that many
+more tokens (summed over its completions), and its last one; outputs are cumulative,
+so a client sees every token, in fewer, larger pieces. Each delivery costs the server a
+wake-up, a chunk to shape and a write, and the client a read: on a 2-core host those
+compete with the engine for the cores (docs/BENCHMARKS.md, server overhead).
+
 Admission control: at most `max_num_seqs + max_queue` sequences (a request with n
 completions counts n) are in flight; beyond that `add_request` raises QueueFullError
 at once, which the server turns into 429 with Retry-After.
@@ -150,17 +157,20 @@ class EngineSnapshot:
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine, max_queue: int = 64,
-                 check_integrity_when_idle: bool = False) -> None:
+                 check_integrity_when_idle: bool = False, stream_interval: int = 1) -> None:
         if max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {max_queue!r}")
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be >= 1, got {stream_interval!r}")
         self.engine = engine
         self.max_queue = max_queue
+        self.stream_interval = stream_interval
         self.capacity = engine.config.scheduler.max_num_seqs + max_queue
         # Run the engine's invariant checks each time the loop runs dry (tests).
         self.check_integrity_when_idle = check_integrity_when_idle
         self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
-        # Owned by the loop thread.
-        self._streams: dict[str, tuple[RequestStream, int]] = {}
+        # Owned by the loop thread: request id -> (stream, sequences, tokens delivered).
+        self._streams: dict[str, tuple[RequestStream, int, int]] = {}
         # Sequences admitted and not yet finished; guarded by _lock.
         self._lock = threading.Lock()
         self._in_flight = 0
@@ -291,7 +301,7 @@ class AsyncLLMEngine:
                 exc = RequestFailedError(f"the engine failed to add the request: {exc!r}")
             command.stream.deliver(exc)
             return
-        self._streams[command.request_id] = (command.stream, command.params.n)
+        self._streams[command.request_id] = (command.stream, command.params.n, 0)
 
     def _abort(self, request_id: str) -> None:
         if request_id not in self._streams:
@@ -337,6 +347,11 @@ class AsyncLLMEngine:
             entry[0].deliver(RequestFailedError(output.error))
             self._release(entry[1])
             return
+        if not output.finished and self.stream_interval > 1:
+            produced = sum(len(choice.token_ids) for choice in output.outputs)
+            if entry[2] and produced - entry[2] < self.stream_interval:
+                return  # the next delivery carries these tokens too
+            self._streams[output.request_id] = (entry[0], entry[1], produced)
         entry[0].deliver(output)
         if output.finished:
             del self._streams[output.request_id]

@@ -23,9 +23,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, name) < 0:
             print(f"error: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
-    if args.max_body_bytes < 1:
-        print("error: --max-body-bytes must be >= 1", file=sys.stderr)
-        return 2
+    for name in ("max_body_bytes", "stream_interval"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
+            return 2
     if args.thinking_budget is not None and args.thinking_budget < 0:
         print("error: --thinking-budget must be >= 0", file=sys.stderr)
         return 2
@@ -38,7 +39,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_server(config, host=args.host, port=args.port, api_key=args.api_key,
                    served_model_name=args.served_model_name, max_queue=args.max_queue,
                    max_body_bytes=args.max_body_bytes, shutdown_grace_s=args.shutdown_grace,
-                   log_level=args.log_level, default_thinking_budget=args.thinking_budget)
+                   log_level=args.log_level, default_thinking_budget=args.thinking_budget,
+                   stream_interval=args.stream_interval)
     except ValueError as exc:  # the model and the flags disagree (found at start-up)
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -57,6 +59,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES)
     parser.add_argument("--shutdown-grace", type=float, default=10.0,
                         help="seconds in-flight requests get to finish on SIGTERM")
+    parser.add_argument("--stream-interval", type=int, default=1,
+                        help="streamed responses: send a request's tokens once this many are "
+                             "new (its first and last at once); fewer, larger chunks cost the "
+                             "server and client less CPU (default: every token)")
     parser.add_argument("--thinking-budget", type=int, default=None,
                         help="reasoning models: the thinking budget (tokens) of requests that "
                              "send none (default: unlimited)")

@@ -67,14 +67,14 @@ def run_server(config: EngineConfig, host: str = "127.0.0.1", port: int = 8000,
                api_key: str | None = None, served_model_name: str | None = None,
                max_queue: int = 64, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                shutdown_grace_s: float = 10.0, log_level: str = "info",
-               default_thinking_budget: int | None = None) -> None:
+               default_thinking_budget: int | None = None, stream_interval: int = 1) -> None:
     """Serve until SIGTERM/SIGINT. The API key falls back to $TOKENMILL_API_KEY."""
     logging.basicConfig(level=getattr(logging, log_level.upper(), logging.INFO),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = resolve_api_key(api_key)
     name = served_model_id(config, served_model_name)
     engine = LLMEngine(config, progress=False)
-    async_engine = AsyncLLMEngine(engine, max_queue=max_queue)
+    async_engine = AsyncLLMEngine(engine, max_queue=max_queue, stream_interval=stream_interval)
     app = build_app(async_engine, name, api_key=api_key, max_body_bytes=max_body_bytes,
                     shutdown_grace_s=shutdown_grace_s,
                     default_thinking_budget=default_thinking_budget)
