@@ -50,6 +50,12 @@ constexpr int64_t kChunk = 256;  // columns per pass: 3 blocks x 256 x 64 B = 48
 #define TM_PANEL 256
 #endif
 constexpr int64_t kPanel = TM_PANEL;
+// Prefetch the next column chunk's weights during a chunk's later row tiles (which read
+// the current chunk from L2 and are bound by arithmetic), so the next chunk's first row
+// tile does not wait on memory: 0 turns it off (benchmarks/bench_native_rows.py).
+#ifndef TM_PREFETCH_NEXT
+#define TM_PREFETCH_NEXT 1
+#endif
 
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
@@ -62,10 +68,19 @@ struct Problem {
   int64_t M, K, ldo;    // ldo = blocks * 16
 };
 
+// Weights to fetch into L2 while a tile runs: `blocks` blocks from `w` on (a block's
+// next chunk, consecutive blocks K x 16 floats apart), one 64-byte column per block and
+// column of the tile.
+struct Prefetch {
+  const float* w = nullptr;
+  int blocks = 0;
+};
+
 // Rows [m0, m0 + MR) x blocks [b0, b0 + NB), columns [k0, k1): accumulators start from
 // the bias (first chunk) or the partial sums in out, and go back to out.
 template <int MR, int NB>
-void tile(const Problem& p, int64_t b0, int64_t m0, int64_t k0, int64_t k1) {
+void tile(const Problem& p, int64_t b0, int64_t m0, int64_t k0, int64_t k1,
+          Prefetch ahead = {}) {
   constexpr int V = NB * kParts;  // vectors across the tile's blocks
   vf acc[MR][V];
   for (int m = 0; m < MR; ++m) {
@@ -80,6 +95,8 @@ void tile(const Problem& p, int64_t b0, int64_t m0, int64_t k0, int64_t k1) {
   for (int j = 0; j < NB; ++j) w[j] = p.w + ((b0 + j) * p.K + k0) * kLanes;
   const float* x = p.x + m0 * p.K;
   for (int64_t k = k0; k < k1; ++k) {
+    for (int j = 0; j < ahead.blocks; ++j)
+      __builtin_prefetch(ahead.w + j * p.K * kLanes + (k - k0) * kLanes, 0, 2);
     vf wk[V];
     for (int j = 0; j < V; ++j)
       wk[j] = load(w[j / kParts] + (k - k0) * kLanes + (j % kParts) * kVec);
@@ -95,29 +112,51 @@ void tile(const Problem& p, int64_t b0, int64_t m0, int64_t k0, int64_t k1) {
 }
 
 template <int NB, int MR>
-void rows_tail(const Problem& p, int64_t b0, int64_t m0, int64_t rows, int64_t k0, int64_t k1) {
+void rows_tail(const Problem& p, int64_t b0, int64_t m0, int64_t rows, int64_t k0, int64_t k1,
+               Prefetch ahead) {
   if constexpr (MR > 0) {
-    if (rows == MR) return tile<MR, NB>(p, b0, m0, k0, k1);
-    rows_tail<NB, MR - 1>(p, b0, m0, rows, k0, k1);
+    if (rows == MR) return tile<MR, NB>(p, b0, m0, k0, k1, ahead);
+    rows_tail<NB, MR - 1>(p, b0, m0, rows, k0, k1, ahead);
   }
 }
 
-// Blocks [b0, b0 + NB) for rows [m_begin, m_end).
+// Blocks [b0, b0 + NB) for rows [m_begin, m_end); `next` blocks from `next_b0` on are
+// what this thread multiplies after them (their first chunk is fetched ahead).
 template <int NB>
-void group(const Problem& p, int64_t b0, int64_t m_begin, int64_t m_end) {
+void group(const Problem& p, int64_t b0, int64_t m_begin, int64_t m_end, int64_t next_b0,
+           int next) {
+  const int64_t tiles = (m_end - m_begin + kRowTile - 1) / kRowTile;
   for (int64_t k0 = 0; k0 < p.K; k0 += kChunk) {
     const int64_t k1 = std::min(p.K, k0 + kChunk);
+    // The chunk after this one: this group's next columns, or the next group's first.
+    const float* after = k1 < p.K ? p.w + (b0 * p.K + k1) * kLanes
+                                   : p.w + next_b0 * p.K * kLanes;
+    const int after_blocks = k1 < p.K ? NB : next;
     int64_t m0 = m_begin;
-    for (; m0 + kRowTile <= m_end; m0 += kRowTile) tile<kRowTile, NB>(p, b0, m0, k0, k1);
-    if (m0 < m_end) rows_tail<NB, kRowTile - 1>(p, b0, m0, m_end - m0, k0, k1);
+    for (int64_t t = 0; m0 < m_end; ++t, m0 += kRowTile) {
+      // Row tiles 1 .. tiles - 1 share out the next chunk's blocks (none with one tile:
+      // a lone row tile streams from memory anyway, and fetching ahead measured slower).
+      Prefetch ahead;
+      if (TM_PREFETCH_NEXT && tiles > 1 && t > 0) {
+        const int64_t share = (after_blocks + tiles - 2) / (tiles - 1);
+        const int64_t first = (t - 1) * share;
+        if (first < after_blocks) {
+          ahead.w = after + first * p.K * kLanes;
+          ahead.blocks = static_cast<int>(std::min<int64_t>(share, after_blocks - first));
+        }
+      }
+      if (m0 + kRowTile <= m_end) tile<kRowTile, NB>(p, b0, m0, k0, k1, ahead);
+      else rows_tail<NB, kRowTile - 1>(p, b0, m0, m_end - m0, k0, k1, ahead);
+    }
   }
 }
 
 template <int NB>
-void group_tail(const Problem& p, int64_t b0, int64_t blocks, int64_t m_begin, int64_t m_end) {
+void group_tail(const Problem& p, int64_t b0, int64_t blocks, int64_t m_begin, int64_t m_end,
+                int64_t next_b0, int next) {
   if constexpr (NB > 0) {
-    if (blocks == NB) return group<NB>(p, b0, m_begin, m_end);
-    group_tail<NB - 1>(p, b0, blocks, m_begin, m_end);
+    if (blocks == NB) return group<NB>(p, b0, m_begin, m_end, next_b0, next);
+    group_tail<NB - 1>(p, b0, blocks, m_begin, m_end, next_b0, next);
   }
 }
 
@@ -147,7 +186,11 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
       const int64_t m1 = std::min(M, m0 + kPanel);
       for (int64_t g = begin; g < end; ++g) {
         const int64_t b0 = g * kBlockTile;
-        group_tail<kBlockTile>(p, b0, std::min<int64_t>(kBlockTile, blocks - b0), m0, m1);
+        const int64_t next_b0 = b0 + kBlockTile;  // the thread's next group, if any
+        const int next = g + 1 < end
+            ? static_cast<int>(std::min<int64_t>(kBlockTile, blocks - next_b0)) : 0;
+        group_tail<kBlockTile>(p, b0, std::min<int64_t>(kBlockTile, blocks - b0), m0, m1,
+                               next_b0, next);
       }
     }
   });
