@@ -11,6 +11,7 @@ import pytest
 from tokenmill import LLM, SamplingParams
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.executor.base import WorkerDiedError
+from tokenmill.layers import native_linear
 
 PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 61)), [7, 7, 7], [300, 12]]
 PARAMS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3,
@@ -49,6 +50,16 @@ def test_two_ranks_give_one_ranks_tokens(model_factory, family):
     assert_same(reference, outputs)
     one, two = engine.executor.rank_memory
     assert one.weights == two.weights and one.kv_cache == two.kv_cache
+
+
+@pytest.mark.skipif(not native_linear.available(), reason="no C++ compiler")
+def test_a_vocab_split_tied_head_embeds_from_its_native_packed_shard(model_factory):
+    """Native products keep only the packed copy of a tied head: each rank's embedding
+    gathers its vocabulary share's rows out of the packed blocks."""
+    model_dir = model_factory("llama_mqa_tied")
+    reference, _ = generate(model_dir, cpu_blas="native")
+    outputs, _ = generate(model_dir, tensor_parallel_size=2, cpu_blas="native")
+    assert_same(reference, outputs)
 
 
 # Sequence parallelism moves the norms and residual adds onto each rank's share of the

@@ -11,9 +11,8 @@ stops issuing requests after --num-requests or --duration seconds, whichever com
 first; every issued request ends as completed or failed (with its error).
 
 The client is aiohttp (as vLLM's serving benchmark): the client shares the server's
-machine here, and httpx's streaming took ~0.4 ms of CPU per event (3-4 s of a core
-for 8192 events), which the server then lacked; aiohttp takes about a tenth of that
-(docs/BENCHMARKS.md, server overhead).
+machine here, and httpx's streaming cost ~0.18 ms of CPU per event, which the server
+then lacked; aiohttp's ~0.06 (docs/BENCHMARKS.md, server overhead).
 """
 
 from __future__ import annotations
