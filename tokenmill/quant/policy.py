@@ -31,8 +31,9 @@ def scheme_for(config: QuantConfig) -> QuantScheme:
 
 class WrappedProducts(ProductPolicy):
     """A base policy with some layers given another method (`override`): everything a
-    step needs around its products (threads, row padding) stays the base's, and its step
-    context too unless no layer kept the base's method. The other method's kernels
+    step needs around its products (threads, row padding, step context) stays the
+    base's while some layer keeps the base's method; with none left on it, a step is
+    not confined and rows are not padded for a library no product uses. The other method's kernels
     (tokenmill's own, on torch's thread pool) run on one thread under a base that
     confines torch to one for its BLAS (NumPy's): int8 decode measured 1.6x slower so.
     So under such a base the layers not overridden (an excluded LM head, MoE routers)
@@ -75,13 +76,16 @@ class WrappedProducts(ProductPolicy):
     def configure_threads(self, num_threads: int) -> None:
         self.base.configure_threads(num_threads)
 
+    @property
+    def base_runs(self) -> bool:
+        """Whether any product runs on the base's method (so before any select)."""
+        return self.kept_base or not self.overridden
+
     def step_context(self) -> AbstractContextManager[None]:
-        if self.overridden and not self.kept_base:
-            return nullcontext()
-        return self.base.step_context()
+        return self.base.step_context() if self.base_runs else nullcontext()
 
     def padded_rows(self, num_rows: int) -> int:
-        return self.base.padded_rows(num_rows)
+        return self.base.padded_rows(num_rows) if self.base_runs else num_rows
 
 
 class QuantizedProducts(WrappedProducts):

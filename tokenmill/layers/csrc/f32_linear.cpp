@@ -52,7 +52,8 @@ constexpr int64_t kChunk = 256;  // columns per pass: 3 blocks x 256 x 64 B = 48
 constexpr int64_t kPanel = TM_PANEL;
 // Prefetch the next column chunk's weights during a chunk's later row tiles (which read
 // the current chunk from L2 and are bound by arithmetic), so the next chunk's first row
-// tile does not wait on memory: 0 turns it off (benchmarks/bench_native_rows.py).
+// tile does not wait on memory. 0 builds the loop without it (docs/BENCHMARKS.md
+// compares the two builds in the engine).
 #ifndef TM_PREFETCH_NEXT
 #define TM_PREFETCH_NEXT 1
 #endif
