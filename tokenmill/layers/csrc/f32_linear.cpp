@@ -5,8 +5,8 @@
 // vector of 16 lanes: no shuffles, no per-call packing.
 //
 // One kernel for every row count: tiles of up to MR rows x NB blocks (8 x 3 with
-// AVX-512: 24 accumulators in registers), each weight column loaded once per tile and
-// shared by its rows, the columns in chunks of kChunk so a tile's weights stay in L1/L2
+// AVX-512: 24 accumulators in registers; a product's rows in tiles of even sizes), each
+// weight column loaded once per tile into registers and shared by its rows, the columns in chunks of kChunk so a tile's weights stay in L1/L2
 // while every row tile of the product passes over them. At one row that is NB
 // independent streams and sums per thread, which measured faster than one block
 // streamed at a time with four accumulators and a software prefetch (about 2x).
@@ -57,6 +57,13 @@ constexpr int64_t kPanel = TM_PANEL;
 #ifndef TM_PREFETCH_NEXT
 #define TM_PREFETCH_NEXT 1
 #endif
+// Row tiles of even sizes: a product's rows split into as few tiles as kRowTile allows,
+// each within one row of the others (32 rows under AVX2: 6 6 5 5 5 5, not 6 6 6 6 6 2).
+// A small tail tile has too few accumulators to hide the multiply-add latency and runs
+// at a fraction of the rate per row. 0 builds the old split (full tiles, then the rest).
+#ifndef TM_EVEN_TILES
+#define TM_EVEN_TILES 1
+#endif
 
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
@@ -72,9 +79,12 @@ struct Problem {
 // Weights to fetch into L2 while a tile runs: `blocks` blocks from `w` on (a block's
 // next chunk, consecutive blocks K x 16 floats apart), one 64-byte column per block and
 // column of the tile.
+// A tile fetches the columns k of the chunk with (k - k0) % every == phase, so the
+// fetches of a chunk are spread evenly over the row tiles that share them.
 struct Prefetch {
   const float* w = nullptr;
   int blocks = 0;
+  int every = 1, phase = 0;
 };
 
 // Rows [m0, m0 + MR) x blocks [b0, b0 + NB), columns [k0, k1): accumulators start from
@@ -95,12 +105,21 @@ void tile(const Problem& p, int64_t b0, int64_t m0, int64_t k0, int64_t k1,
   const float* w[NB];
   for (int j = 0; j < NB; ++j) w[j] = p.w + ((b0 + j) * p.K + k0) * kLanes;
   const float* x = p.x + m0 * p.K;
+  int countdown = ahead.phase;
   for (int64_t k = k0; k < k1; ++k) {
-    for (int j = 0; j < ahead.blocks; ++j)
-      __builtin_prefetch(ahead.w + j * p.K * kLanes + (k - k0) * kLanes, 0, 2);
+    if (ahead.blocks && countdown-- == 0) {
+      countdown = ahead.every - 1;
+      for (int j = 0; j < ahead.blocks; ++j)
+        __builtin_prefetch(ahead.w + j * p.K * kLanes + (k - k0) * kLanes, 0, 2);
+    }
     vf wk[V];
-    for (int j = 0; j < V; ++j)
+    for (int j = 0; j < V; ++j) {
       wk[j] = load(w[j / kParts] + (k - k0) * kLanes + (j % kParts) * kVec);
+      // Into a register, once: left alone, GCC folds the load into every row's
+      // multiply-add of a small tile (4 rows under AVX2: 12 loads per 8 multiply-adds,
+      // bound by the load ports at the cost of a 6-row tile).
+      asm("" : "+v"(wk[j]));
+    }
     for (int m = 0; m < MR; ++m) {
       const float xm = x[m * p.K + k];
       for (int j = 0; j < V; ++j) acc[m][j] += xm * wk[j];
@@ -126,7 +145,8 @@ void rows_tail(const Problem& p, int64_t b0, int64_t m0, int64_t rows, int64_t k
 template <int NB>
 void group(const Problem& p, int64_t b0, int64_t m_begin, int64_t m_end, int64_t next_b0,
            int next) {
-  const int64_t tiles = (m_end - m_begin + kRowTile - 1) / kRowTile;
+  const int64_t rows = m_end - m_begin;
+  const int64_t tiles = (rows + kRowTile - 1) / kRowTile;
   for (int64_t k0 = 0; k0 < p.K; k0 += kChunk) {
     const int64_t k1 = std::min(p.K, k0 + kChunk);
     // The chunk after this one: this group's next columns, or the next group's first.
@@ -134,20 +154,20 @@ void group(const Problem& p, int64_t b0, int64_t m_begin, int64_t m_end, int64_t
                                    : p.w + next_b0 * p.K * kLanes;
     const int after_blocks = k1 < p.K ? NB : next;
     int64_t m0 = m_begin;
-    for (int64_t t = 0; m0 < m_end; ++t, m0 += kRowTile) {
-      // Row tiles 1 .. tiles - 1 share out the next chunk's blocks (none with one tile:
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t size = TM_EVEN_TILES ? rows / tiles + (t < rows % tiles)
+                                         : std::min<int64_t>(kRowTile, m_end - m0);
+      // Row tiles 1 .. tiles - 1 share out the next chunk's columns (none with one tile:
       // a lone row tile streams from memory anyway, and fetching ahead measured slower).
       Prefetch ahead;
-      if (TM_PREFETCH_NEXT && tiles > 1 && t > 0) {
-        const int64_t share = (after_blocks + tiles - 2) / (tiles - 1);
-        const int64_t first = (t - 1) * share;
-        if (first < after_blocks) {
-          ahead.w = after + first * p.K * kLanes;
-          ahead.blocks = static_cast<int>(std::min<int64_t>(share, after_blocks - first));
-        }
+      if (TM_PREFETCH_NEXT && tiles > 1 && t > 0 && after_blocks > 0) {
+        ahead.w = after;
+        ahead.blocks = after_blocks;
+        ahead.every = static_cast<int>(tiles - 1);
+        ahead.phase = static_cast<int>(t - 1);
       }
-      if (m0 + kRowTile <= m_end) tile<kRowTile, NB>(p, b0, m0, k0, k1, ahead);
-      else rows_tail<NB, kRowTile - 1>(p, b0, m0, m_end - m0, k0, k1, ahead);
+      rows_tail<NB, kRowTile>(p, b0, m0, size, k0, k1, ahead);
+      m0 += size;
     }
   }
 }
