@@ -93,9 +93,10 @@ def test_a_build_killed_mid_compile_does_not_hang_later_starts(tmp_path):
     import shutil
     import threading
 
-    from tokenmill.layers import native
+    from tokenmill.layers import isa, native
 
-    flags = ("-ffp-contract=off",)
+    assert native.native_row_ops() is not None  # built (or found) with the real flags
+    flags = (*native.ROW_OPS_FLAGS, *isa.kernel_flags())
     elsewhere = tmp_path / "checkout" / "row_ops.cpp"
     elsewhere.parent.mkdir()
     shutil.copy(native.ROW_OPS_SOURCE, elsewhere)
