@@ -6,8 +6,9 @@
 //
 // One kernel for every row count: tiles of up to MR rows x NB blocks (8 x 3 with
 // AVX-512: 24 accumulators in registers; a product's rows in tiles of even sizes), each
-// weight column loaded once per tile into registers and shared by its rows, the columns in chunks of kChunk so a tile's weights stay in L1/L2
-// while every row tile of the product passes over them. At one row that is NB
+// weight column loaded once per tile into registers and shared by its rows, the columns
+// in chunks of kChunk so a tile's weights stay in L1/L2 while every row tile of the
+// product passes over them. At one row that is NB
 // independent streams and sums per thread, which measured faster than one block
 // streamed at a time with four accumulators and a software prefetch (about 2x).
 // The work is split over torch's threads by groups of blocks (contiguous memory per
@@ -78,9 +79,8 @@ struct Problem {
 
 // Weights to fetch into L2 while a tile runs: `blocks` blocks from `w` on (a block's
 // next chunk, consecutive blocks K x 16 floats apart), one 64-byte column per block and
-// column of the tile.
-// A tile fetches the columns k of the chunk with (k - k0) % every == phase, so the
-// fetches of a chunk are spread evenly over the row tiles that share them.
+// column of the tile: the columns k with (k - k0) % every == phase, so the fetches of a
+// chunk are spread evenly over the row tiles that share them.
 struct Prefetch {
   const float* w = nullptr;
   int blocks = 0;

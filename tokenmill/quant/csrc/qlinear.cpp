@@ -212,7 +212,10 @@ void tile(const Problem& p, int64_t b, int64_t m0) {
       const Lanes offset = load(p.offsets + (b * groups + g) * kLanes);
       const uint8_t* codes = p.codes + (b * (p.K / 2) + k0 / 2) * kLanes;
       // Codes times x summed unscaled, then scale * that + offset * (x's sum over
-      // the group) at the group's end, as one_row does: no multiply per column.
+      // the group) at the group's end, as one_row does: no multiply per column. The
+      // sums live in an array local to the group: summed into acc directly, across
+      // the group loop, GCC kept acc in memory and stored every accumulator each
+      // column (under AVX2 a 6-row int8 tile issued 12 stores per 12 multiply-adds).
       vf sum[MR][kParts] = {};
       for (int64_t k = k0; k < k1; k += 2, codes += kLanes) {
         Lanes low, high;
@@ -231,9 +234,8 @@ void tile(const Problem& p, int64_t b, int64_t m0) {
                        p.group_sums[(m0 + m) * groups + g] * offset.part[i];
     } else {
       const int8_t* codes = reinterpret_cast<const int8_t*>(p.codes) + (b * p.K + k0) * kLanes;
-      // The codes times x summed unscaled over the group, scaled once at its end (as
-      // one_row does): a column's widening then costs no multiply.
-      vf sum[MR][kParts] = {};  // (a local array: see above)
+      // As for int4: summed unscaled in a local array, scaled at the group's end.
+      vf sum[MR][kParts] = {};
       for (int64_t k = k0; k < k1; ++k, codes += kLanes) {
         const Lanes w = widen_int8(codes);
         for (int m = 0; m < MR; ++m) {
@@ -245,14 +247,10 @@ void tile(const Problem& p, int64_t b, int64_t m0) {
         for (int i = 0; i < kParts; ++i) acc[m][i] += sum[m][i] * scale.part[i];
     }
   }
-  // Out through a plain float buffer: handing the accumulators over as a Lanes made
-  // GCC keep them in memory and store all of them every column (under AVX2 a
-  // 6-row tile issued 12 stores per 12 multiply-adds and ran at half their rate).
-  const int64_t lanes = lanes_of(p, b);
   for (int m = 0; m < MR; ++m) {
-    float row[kLanes];
-    for (int i = 0; i < kParts; ++i) std::memcpy(row + i * kVec, &acc[m][i], sizeof(vf));
-    std::memcpy(p.out + (m0 + m) * p.N + b * kLanes, row, lanes * sizeof(float));
+    Lanes row;
+    for (int i = 0; i < kParts; ++i) row.part[i] = acc[m][i];
+    store_row(p, b, m0 + m, row);
   }
 }
 
