@@ -33,9 +33,10 @@ class WrappedProducts(ProductPolicy):
     """A base policy with some layers given another method (`override`): everything a
     step needs around its products (threads, row padding, step context) stays the
     base's while some layer keeps the base's method; with none left on it, a step is
-    not confined and rows are not padded for a library no product uses. The other method's kernels
-    (tokenmill's own, on torch's thread pool) run on one thread under a base that
-    confines torch to one for its BLAS (NumPy's): int8 decode measured 1.6x slower so.
+    not confined and rows are not padded for a library no product uses. The other
+    method's kernels (tokenmill's own, on torch's thread pool) run on one thread under
+    a base that confines torch to one for its BLAS (NumPy's): int8 decode measured 1.6x
+    slower so.
     So under such a base the layers not overridden (an excluded LM head, MoE routers)
     take the native float kernel, on torch's pool too, where it builds; where they keep
     the base's BLAS its context stays (unconfined, torch's and OpenBLAS's spinning
