@@ -74,10 +74,12 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     load): the product, quantized product and decode kernels against their references
     (torch, the dequantized weight in float64), and greedy tokens and log
     probabilities against transformers through the native products (AVX2 tiles), the
-    in-place decode kernel (plain fold), oneDNN and OpenBLAS (capped)."""
+    in-place decode kernel and the sparse backends' list kernel (8-lane register fold),
+    oneDNN and OpenBLAS (capped)."""
     selected = [
         "tests/test_cpu_blas.py::test_native_kernel_at_odd_widths_equals_torch",
         "tests/kv/test_paged_native.py::test_the_kernel_equals_gathered_attention",
+        "tests/kv/test_block_sparse_native.py::test_native_list_attention_is_the_gathered_route",
         "tests/quant/test_kernels.py::test_quantized_product_equals_the_dequantized_reference",
         "tests/test_parity.py::test_greedy_tokens_and_logprobs_match_transformers"
         "[qwen2-native]",

@@ -6,8 +6,11 @@
 // scores of a query head come out in one register: each token's dot product is summed
 // into 16 lanes and the 16 partial vectors are folded together by a transposing
 // reduction (45 shuffles and adds instead of 16 horizontal sums), and each query
-// head's weighted sum of values stays in registers through the tile. Elsewhere the
-// plain loops of decode_common.h (dot products and scaled adds) serve.
+// head's weighted sum of values stays in registers through the tile. With AVX2 (no
+// AVX-512) the same in 8-lane registers: a head size that is a multiple of 8 (up to
+// 128), the tile's scores in two registers of 8, each folded from 8 tokens' partial
+// vectors. Elsewhere the plain loops of decode_common.h (dot products and scaled adds)
+// serve.
 #pragma once
 
 #include <algorithm>
@@ -16,7 +19,7 @@
 
 #include "decode_common.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -140,6 +143,90 @@ void fold_tile_avx512(const Geometry& g, const float* query, const float* keys,
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// Lane t of the result is the sum of the 8 lanes of v[t].
+inline __m256 sum_each8(const __m256* v) {
+  const __m256 h01 = _mm256_hadd_ps(v[0], v[1]), h23 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 h45 = _mm256_hadd_ps(v[4], v[5]), h67 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 low = _mm256_hadd_ps(h01, h23), high = _mm256_hadd_ps(h45, h67);
+  // low: lanes 0-3 the lower halves' sums of v[0..3], lanes 4-7 their upper halves'.
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
+}
+
+inline float max_of(__m256 v) {
+  v = _mm256_max_ps(v, _mm256_permute2f128_ps(v, v, 1));
+  v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = _mm256_max_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+  return _mm256_cvtss_f32(v);
+}
+
+inline float sum_of(__m256 v) {
+  v = _mm256_add_ps(v, _mm256_permute2f128_ps(v, v, 1));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0x4E));
+  v = _mm256_add_ps(v, _mm256_shuffle_ps(v, v, 0xB1));
+  return _mm256_cvtss_f32(v);
+}
+
+// The register form, for head_dim = 8 * VECTORS.
+template <int VECTORS>
+void fold_tile_avx2(const Geometry& g, const float* query, const float* keys,
+                    const float* values, const int64_t* offsets, int64_t n, float scale,
+                    float* state, Prefetch& ahead, int64_t per_head) {
+  constexpr int kHalf = 8;  // tokens per register of scores
+  const int64_t stride = g.head_dim + 2;
+  alignas(32) float weights[kTile];
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t q = 0; q < g.group; ++q) {
+    ahead.step(per_head);
+    const float* qh = query + q * g.head_dim;
+    __m256 scores[2];
+    for (int h = 0; h < 2; ++h) {
+      __m256 partial[kHalf];
+      for (int64_t i = 0; i < kHalf; ++i) {
+        const int64_t t = h * kHalf + i;
+        if (t >= n) {
+          partial[i] = _mm256_setzero_ps();
+          continue;
+        }
+        const float* key = keys + offsets[t];
+        __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(key));
+        for (int v = 1; v < VECTORS; ++v)
+          sum = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * v), _mm256_loadu_ps(key + 8 * v), sum);
+        partial[i] = sum;
+      }
+      // Tokens past n score kNoScore (weight 0 after the exponential).
+      const __m256 live = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - h * kHalf)), lane));
+      scores[h] = _mm256_blendv_ps(_mm256_set1_ps(kNoScore),
+                                   _mm256_mul_ps(sum_each8(partial), _mm256_set1_ps(scale)),
+                                   live);
+    }
+    float* s = state + q * stride;
+    const float top = std::max(s[g.head_dim], max_of(_mm256_max_ps(scores[0], scores[1])));
+    const float rescale = std::exp(s[g.head_dim] - top);
+    _mm256_store_ps(weights, _mm256_sub_ps(scores[0], _mm256_set1_ps(top)));
+    _mm256_store_ps(weights + kHalf, _mm256_sub_ps(scores[1], _mm256_set1_ps(top)));
+#pragma omp simd
+    for (int t = 0; t < kTile; ++t) weights[t] = std::exp(weights[t]);  // vector exp (libmvec)
+    for (int64_t t = n; t < kTile; ++t) weights[t] = 0.0f;
+    s[g.head_dim] = top;
+    s[g.head_dim + 1] = s[g.head_dim + 1] * rescale +
+        sum_of(_mm256_add_ps(_mm256_load_ps(weights), _mm256_load_ps(weights + kHalf)));
+    __m256 acc[VECTORS];
+    const __m256 r = _mm256_set1_ps(rescale);
+    for (int v = 0; v < VECTORS; ++v) acc[v] = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * v), r);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 p = _mm256_set1_ps(weights[t]);
+      const float* value = values + offsets[t];
+      for (int v = 0; v < VECTORS; ++v)
+        acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * v), acc[v]);
+    }
+    for (int v = 0; v < VECTORS; ++v) _mm256_storeu_ps(s + 8 * v, acc[v]);
+  }
+}
+#endif
+
 using FoldTile = void (*)(const Geometry&, const float*, const float*, const float*,
                           const int64_t*, int64_t, float, float*, Prefetch&, int64_t);
 
@@ -150,6 +237,13 @@ inline FoldTile choose_fold(int64_t head_dim) {
     case 32: return fold_tile_avx512<2>;
     case 64: return fold_tile_avx512<4>;
     case 128: return fold_tile_avx512<8>;
+    default: break;
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  switch (head_dim) {
+    case 32: return fold_tile_avx2<4>;
+    case 64: return fold_tile_avx2<8>;
+    case 128: return fold_tile_avx2<16>;
     default: break;
   }
 #endif
