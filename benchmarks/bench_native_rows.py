@@ -3,9 +3,11 @@
 The Qwen2.5-0.5B shape's gate/up, down and QKV products at each --rows count, best of
 several calls each, both libraries on the same random weights. --panels builds the
 native kernel once per row-panel size (the kernel's TM_PANEL; a size above the rows
-means no panels) and reports each beside oneDNN.
+means no panels) and reports each beside oneDNN; --builds takes any other compile-time
+settings, one build per argument (e.g. "TM_CHUNK=128 TM_PANEL=64").
 
     python benchmarks/bench_native_rows.py [--rows 256,2048] [--panels 128,100000]
+    python benchmarks/bench_native_rows.py --builds TM_CHUNK=256 TM_CHUNK=128
 """
 
 from __future__ import annotations
@@ -36,13 +38,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="32,256,2048")
     parser.add_argument("--panels", default="256", help="native builds by TM_PANEL")
+    parser.add_argument("--builds", nargs="+", metavar="MACRO=VALUE ...",
+                        help="native builds by their -D settings (replaces --panels)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = {int(panel): build_extension("f32_linear", native_linear.SOURCE,
-                                           (f"-DTM_PANEL={int(panel)}",))
-               for panel in args.panels.split(",")}
-    print("out x in, rows: " + ", ".join(f"native panel {p}" for p in kernels)
+    builds = args.builds or [f"TM_PANEL={int(panel)}" for panel in args.panels.split(",")]
+    kernels = {build: build_extension("f32_linear", native_linear.SOURCE,
+                                      tuple(f"-D{define}" for define in build.split()))
+               for build in builds}
+    print("out x in, rows: " + ", ".join(f"native {b}" for b in kernels)
           + ", oneDNN (GFLOP/s)")
     for out_features, in_features in SHAPES:
         weight = torch.randn(out_features, in_features)

@@ -42,7 +42,12 @@ constexpr int kBlockTile = 1;
 #endif
 constexpr int kParts = kLanes / kVec;
 typedef float vf __attribute__((vector_size(kVec * sizeof(float))));
-constexpr int64_t kChunk = 256;  // columns per pass: 3 blocks x 256 x 64 B = 48 KB
+// Columns per pass: 3 blocks x 256 x 64 B = 48 KB of weights shared by the row tiles
+// (benchmarks/bench_native_rows.py --builds compares other sizes).
+#ifndef TM_CHUNK
+#define TM_CHUNK 256
+#endif
+constexpr int64_t kChunk = TM_CHUNK;
 // Rows per panel: a thread takes its blocks over one panel of rows at a time, so the
 // rows it re-reads for every block group stay in L2 (not the whole x of a 2048-row
 // prefill step from L3; benchmarks/bench_native_rows.py compares panel sizes). 256:
