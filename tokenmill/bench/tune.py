@@ -8,7 +8,7 @@ router and top-k experts, times the layers, plus the LM head) every candidate
 version and thread count; the choice is the candidate with the smallest
 geometric-mean slowdown over the classes, and the fastest per class is reported
 beside it. `--report` prints what is stored (the start-up probe's or a tune's) and
-plots it.
+plots it. `--scheduler` times the scheduler knobs instead (bench/tune_scheduler.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.bench.tune_scheduler import add_scheduler_arguments, cmd_tune_scheduler
 from tokenmill.config import DEFAULT_MODEL_DIR
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.product_table import choose, measure, read_table, table_path, write_table
@@ -63,6 +64,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if threads < 1:
         print(f"error: --threads must be >= 1, got {threads}", file=sys.stderr)
         return 2
+    if args.scheduler:
+        try:
+            shape = model_shapes(args.model)[2]
+        except (OSError, ValueError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return cmd_tune_scheduler(args, threads, shape)
     if args.report:
         return report(threads, args.out)
     try:
@@ -163,4 +171,5 @@ def add_tune_subcommand(sub: argparse._SubParsersAction) -> None:
     tune.add_argument("--out", type=Path, default=None, help="folder for tune.png")
     tune.add_argument("--verbose", action="store_true")
     tune.add_argument("--log-level", default="warning")
+    add_scheduler_arguments(tune)
     tune.set_defaults(func=cmd_tune)
