@@ -1,5 +1,6 @@
-"""`tokenmill tune --scheduler`: the token budget and block size measured per setting on
-a model, the fastest named, the table stored per host and model shape and reported."""
+"""`tokenmill tune --scheduler`: the token budget, block size and attention backend
+measured per setting on a model, the fastest named, the table stored per host and model
+shape and reported."""
 
 from __future__ import annotations
 
@@ -35,21 +36,26 @@ def test_each_setting_serves_the_workload_and_the_table_is_stored(tmp_path, monk
     common = ["tune", "--scheduler", "--model", str(llama_dir), "--threads", "1"]
     assert main([*common, "--report"]) == 1  # nothing measured yet
     assert main([*common, "--budgets", "8,64", "--block-sizes", "4,16", "--num-requests", "3",
-                 "--input-len", "20", "--output-len", "3"]) == 0
+                 "--input-len", "20", "--output-len", "3",
+                 "--attention-backends", "paged,paged-native"]) == 0
     out = capsys.readouterr().out
     assert "| token budget | block size |" in out and "fastest: --max-num-batched-tokens" in out
     [path] = (tmp_path / "scheduler").glob("*-1t.json")
     entry = json.loads(path.read_text())
-    settings = [(r["max_num_batched_tokens"], r["block_size"]) for r in entry["results"]]
-    assert settings == [(8, 4), (8, 16), (64, 4), (64, 16)]
+    settings = [(r["max_num_batched_tokens"], r["block_size"], r["attention_backend"])
+                for r in entry["results"]]
+    assert settings == [(b, s, a) for b in (8, 64) for s in (4, 16)
+                        for a in ("paged", "paged-native")]
     assert entry["choice"] == max(entry["results"], key=lambda r: r["output_tok_s"])
     assert all(r["output_tok_s"] > 0 for r in entry["results"])
     # The budget reached the engine: 3 prompts of 20 tokens take more steps in 8-token
     # steps than in 64-token ones.
     steps = {s: r["steps"] for s, r in zip(settings, entry["results"], strict=True)}
-    assert steps[(8, 16)] > steps[(64, 16)]
+    assert steps[(8, 16, "paged-native")] > steps[(64, 16, "paged-native")]
     assert main([*common, "--report"]) == 0
     assert "fastest: --max-num-batched-tokens" in capsys.readouterr().out
     assert main([*common, "--budgets", "0"]) == 2
     assert "--budgets" in capsys.readouterr().err
     assert main([*common, "--num-requests", "0"]) == 2
+    assert main([*common, "--attention-backends", "paged,nonesuch"]) == 2
+    assert "nonesuch" in capsys.readouterr().err

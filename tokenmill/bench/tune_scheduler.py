@@ -1,6 +1,7 @@
 """`tokenmill tune --scheduler`: the scheduler knobs that change speed, measured on this
 machine for the model being served: the step token budget (`--max-num-batched-tokens`,
-which also bounds a prefill chunk) and the KV block size (`--block-size`).
+which also bounds a prefill chunk), the KV block size (`--block-size`) and, where asked
+(`--attention-backends paged,paged-native`), the attention backend.
 
 Each setting serves the same offline workload (`--num-requests` random prompts of
 `--input-len` tokens and `--output-len` new tokens each, all queued at once) in an
@@ -22,6 +23,7 @@ import json
 import sys
 from pathlib import Path
 
+from tokenmill.attention.registry import ATTENTION_BACKENDS
 from tokenmill.bench.driver import run_engine_workload, warm_up
 from tokenmill.bench.metrics import summarize
 from tokenmill.bench.workload import WorkloadSpec, build_workload
@@ -52,16 +54,17 @@ def scheduler_path(threads: int, shape: str) -> Path:
 
 
 def measure_settings(model: str, budgets: tuple[int, ...], block_sizes: tuple[int, ...],
-                     threads: int, spec: WorkloadSpec, engine_options: dict | None = None,
+                     threads: int, spec: WorkloadSpec, backends: tuple[str, ...] = ("paged-native",),
                      progress=None) -> list[dict]:
-    """One engine per (budget, block size), the same workload through each."""
+    """One engine per (budget, block size, attention backend), the same workload
+    through each."""
     from tokenmill.engine.engine import LLMEngine
 
     results = []
-    for budget, block_size in itertools.product(budgets, block_sizes):
+    for budget, block_size, backend in itertools.product(budgets, block_sizes, backends):
         config = EngineConfig.from_kwargs(model=model, num_threads=threads,
                                           max_num_batched_tokens=budget,
-                                          block_size=block_size, **(engine_options or {}))
+                                          block_size=block_size, attention_backend=backend)
         engine = LLMEngine(config, progress=False)
         try:
             warm_up(engine)
@@ -73,7 +76,7 @@ def measure_settings(model: str, budgets: tuple[int, ...], block_sizes: tuple[in
             engine.shutdown()
         summary = summarize(run.records, run.duration_s)
         results.append({"max_num_batched_tokens": budget, "block_size": block_size,
-                        "output_tok_s": summary.output_throughput,
+                        "attention_backend": backend, "output_tok_s": summary.output_throughput,
                         "ttft_ms": summary.ttft_ms.median, "tpot_ms": summary.tpot_ms.median,
                         "steps": run.num_steps})
         if progress is not None:
@@ -82,7 +85,8 @@ def measure_settings(model: str, budgets: tuple[int, ...], block_sizes: tuple[in
 
 
 def format_row(r: dict) -> str:
-    return (f"| {r['max_num_batched_tokens']} | {r['block_size']} | {r['output_tok_s']:.1f} | "
+    return (f"| {r['max_num_batched_tokens']} | {r['block_size']} | "
+            f"{r.get('attention_backend', '-')} | {r['output_tok_s']:.1f} | "
             f"{r['ttft_ms']:.0f} | {r['tpot_ms']:.1f} | {r['steps']} |")
 
 
@@ -90,11 +94,14 @@ def format_table(entry: dict) -> str:
     best = entry["choice"]
     lines = [f"scheduler tune: {entry['shape']}, {entry['threads']} threads, workload "
              f"{entry['workload']}",
-             "| token budget | block size | out tok/s | TTFT p50 ms | TPOT p50 ms | steps |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| token budget | block size | attention | out tok/s | TTFT p50 ms | TPOT p50 ms "
+             "| steps |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [format_row(r) for r in entry["results"]]
     lines.append(f"fastest: --max-num-batched-tokens {best['max_num_batched_tokens']} "
-                 f"--block-size {best['block_size']} ({best['output_tok_s']:.1f} out tok/s; "
+                 f"--block-size {best['block_size']} --attention-backend "
+                 f"{best.get('attention_backend', 'paged-native')} "
+                 f"({best['output_tok_s']:.1f} out tok/s; "
                  f"compare its TTFT and TPOT with the others' before taking it)")
     return "\n".join(lines)
 
@@ -111,6 +118,11 @@ def cmd_tune_scheduler(args: argparse.Namespace, threads: int, shape: str) -> in
     try:
         budgets = parse_values(args.budgets, "--budgets")
         block_sizes = parse_values(args.block_sizes, "--block-sizes")
+        backends = tuple(b for b in args.attention_backends.split(",") if b)
+        unknown = [b for b in backends if b not in ATTENTION_BACKENDS]
+        if not backends or unknown:
+            raise ValueError(f"--attention-backends must name backends among "
+                             f"{sorted(ATTENTION_BACKENDS)}, got {args.attention_backends!r}")
         spec = WorkloadSpec(num_requests=args.num_requests, input_len=args.input_len,
                             output_len=args.output_len)
         if min(spec.num_requests, spec.input_len, spec.output_len) < 1:
@@ -118,7 +130,7 @@ def cmd_tune_scheduler(args: argparse.Namespace, threads: int, shape: str) -> in
         print(f"tuning the scheduler for {shape} at {threads} threads: token budgets "
               f"{list(budgets)} x block sizes {list(block_sizes)}, {spec.num_requests} x "
               f"({spec.input_len} + {spec.output_len}) tokens each", flush=True)
-        results = measure_settings(args.model, budgets, block_sizes, threads, spec,
+        results = measure_settings(args.model, budgets, block_sizes, threads, spec, backends,
                                    progress=lambda line: print("  " + line, flush=True))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -140,6 +152,8 @@ def add_scheduler_arguments(tune: argparse.ArgumentParser) -> None:
     group.add_argument("--budgets", default="512,1024,2048,4096",
                        help="step token budgets (--max-num-batched-tokens) to time")
     group.add_argument("--block-sizes", default="16,32", help="KV block sizes to time")
+    group.add_argument("--attention-backends", default="paged-native",
+                       help="attention backends to time (comma-separated)")
     group.add_argument("--num-requests", type=int, default=16)
     group.add_argument("--input-len", type=int, default=256)
     group.add_argument("--output-len", type=int, default=32)
