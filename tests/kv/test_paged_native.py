@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler for the 
 
 
 # Head sizes 16-128 take the AVX-512 register form where the CPU has it (32-128 the
-# 8-lane form under AVX2: tests/test_isa.py runs this so), 24 the plain loops; blocks under 16 tokens make a tile span blocks, blocks over 16 hold two tiles.
+# 8-lane form under AVX2: tests/test_isa.py runs this so), 24 the plain loops; blocks
+# under 16 tokens make a tile span blocks, blocks over 16 hold two tiles.
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size"), [
     (14, 2, 64, 16), (8, 8, 32, 4), (4, 1, 16, 1), (6, 2, 24, 8), (4, 2, 128, 32)])
 # A lone long request is split into shares across threads, merged at the end.
