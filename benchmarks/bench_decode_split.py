@@ -7,8 +7,13 @@ every request in flight, one decode step), the time inside the product kernel pe
 decode step (every Linear's call on decode rows timed; the LM head apart), and then,
 with the products replaced by zeros of the right shape, the TPOT that is left: the
 engine's own work per step (attention, norms, rotary, sampling, scheduling, Python).
+--flush adds a third run: zeros again, but each product first reads a buffer as large
+as its weight (timed apart), so the rest of the step runs after the caches were
+flushed as real products flush them; its TPOT less those reads is the engine's work
+with cold caches.
 
     python benchmarks/bench_decode_split.py [--cpu-blas native] [--batch 1] [--rounds 3]
+        [--flush]
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--flush", action="store_true")
     args = parser.parse_args()
     model = args.model or str(build_model(MODEL_DIR))
     llm = LLM(model, progress=False, num_threads=args.threads, kv_cache_memory=2**28,
@@ -63,6 +69,18 @@ def main() -> None:
     def zeros(layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return x.new_zeros(*x.shape[:-1], layer.out_features)
 
+    buffers: dict[int, torch.Tensor] = {}
+    read = [0.0]
+
+    def flushed(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if id(layer) not in buffers:
+            buffers[id(layer)] = torch.ones(layer.out_features, layer.in_features)
+        buffer = buffers[id(layer)]
+        started = time.perf_counter()
+        buffer.sum()
+        read[0] += time.perf_counter() - started
+        return zeros(layer, x)
+
     vocab = llm.engine.executor.worker.runner.model.lm_head.out_features
     tokens = args.new_tokens - 1  # TPOT counts the tokens after the first
     print(f"{args.cpu_blas}, {args.batch} x (prompt {args.prompt} + {args.new_tokens} new), "
@@ -78,10 +96,18 @@ def main() -> None:
         tpot = step_time()
         Linear.forward = zeros
         rest = step_time()
+        cold = ""
+        if args.flush:
+            read[0] = 0.0
+            Linear.forward = flushed
+            flushed_tpot = step_time()
+            cold = (f"; flushed: TPOT {flushed_tpot * 1e3:.1f}, reads {read[0] / tokens * 1e3:.1f}, "
+                    f"rest {(flushed_tpot - read[0] / tokens) * 1e3:.2f} ms")
         Linear.forward = real_forward
         print(f"round {round_ + 1}: TPOT {tpot * 1e3:.1f} ms, products "
               f"{spent['products'] / tokens * 1e3:.1f} ms/step (LM head "
-              f"{spent['head'] / tokens * 1e3:.1f}), products zeroed: TPOT {rest * 1e3:.2f} ms")
+              f"{spent['head'] / tokens * 1e3:.1f}), products zeroed: TPOT {rest * 1e3:.2f} ms"
+              + cold)
 
 
 if __name__ == "__main__":
