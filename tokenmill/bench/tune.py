@@ -20,7 +20,11 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.bench.tune_scheduler import add_scheduler_arguments, cmd_tune_scheduler
+from tokenmill.bench.tune_scheduler import (
+    add_scheduler_arguments,
+    cmd_tune_scheduler,
+    parse_values,
+)
 from tokenmill.config import DEFAULT_MODEL_DIR
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.product_table import choose, measure, read_table, table_path, write_table
@@ -74,14 +78,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.report:
         return report(threads, args.out)
     try:
-        rows = tuple(int(n) for n in args.rows.split(","))
-        if not rows or min(rows) < 1:
-            raise ValueError
-    except ValueError:
-        print(f"error: --rows must be positive integers separated by commas, got "
-              f"{args.rows!r}", file=sys.stderr)
-        return 2
-    try:
+        rows = parse_values(args.rows, "--rows")
         shapes, layers, shape_name = model_shapes(args.model)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

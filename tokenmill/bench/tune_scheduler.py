@@ -86,7 +86,7 @@ def measure_settings(model: str, budgets: tuple[int, ...], block_sizes: tuple[in
 
 def format_row(r: dict) -> str:
     return (f"| {r['max_num_batched_tokens']} | {r['block_size']} | "
-            f"{r.get('attention_backend', '-')} | {r['output_tok_s']:.1f} | "
+            f"{r['attention_backend']} | {r['output_tok_s']:.1f} | "
             f"{r['ttft_ms']:.0f} | {r['tpot_ms']:.1f} | {r['steps']} |")
 
 
@@ -100,7 +100,7 @@ def format_table(entry: dict) -> str:
     lines += [format_row(r) for r in entry["results"]]
     lines.append(f"fastest: --max-num-batched-tokens {best['max_num_batched_tokens']} "
                  f"--block-size {best['block_size']} --attention-backend "
-                 f"{best.get('attention_backend', 'paged-native')} "
+                 f"{best['attention_backend']} "
                  f"({best['output_tok_s']:.1f} out tok/s; "
                  f"compare its TTFT and TPOT with the others' before taking it)")
     return "\n".join(lines)
@@ -146,7 +146,7 @@ def cmd_tune_scheduler(args: argparse.Namespace, threads: int, shape: str) -> in
 
 
 def add_scheduler_arguments(tune: argparse.ArgumentParser) -> None:
-    group = tune.add_argument_group("--scheduler: the token budget and block size")
+    group = tune.add_argument_group("--scheduler: the token budget, block size and attention")
     group.add_argument("--scheduler", action="store_true",
                        help="measure the scheduler knobs instead of the products")
     group.add_argument("--budgets", default="512,1024,2048,4096",
