@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.paged import PrefillChunk
+from tokenmill.attention.paged import PrefillChunk, attend, merge
 from tokenmill.kv import KVCache
 from tokenmill.kv.quant import dequantize
 
@@ -41,31 +41,6 @@ def probe_rows(chunk: PrefillChunk) -> torch.Tensor:
     n = chunk.end - chunk.start
     count = min(PROBE_QUERIES, n)
     return torch.linspace(n - 1, 0, count).round().long().flip(0).unique()
-
-
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
-           causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of q [1, H, n, Dh] over keys / values [1, H, L, Dh] (causal:
-    query i sees keys 0..i) as (output [1, H, n, Dh], log-sum-exp of the scores
-    [1, H, n]): torch's fused CPU kernel where it runs, plain products elsewhere."""
-    if q.device.type == "cpu" and q.dtype == torch.float32:
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, keys, values, 0.0, causal, scale=scale)
-    scores = (q @ keys.transpose(-1, -2)).float() * scale
-    if causal:
-        n, length = scores.shape[-2:]
-        scores = scores.masked_fill(torch.ones(n, length, dtype=torch.bool, device=q.device)
-                                    .triu(1), float("-inf"))
-    lse = scores.logsumexp(-1)
-    return (scores - lse[..., None]).exp().to(q.dtype) @ values, lse
-
-
-def merge(first: tuple[torch.Tensor, torch.Tensor],
-          second: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """One softmax's output from attention over two disjoint key sets, each given as
-    (output, log-sum-exp): each output weighted by its share of the exponentials."""
-    total = torch.logaddexp(first[1], second[1])
-    return sum(out * (lse - total).exp()[..., None].to(out.dtype) for out, lse in (first, second))
 
 
 def chunk_attention(backend, layer_index: int, q: torch.Tensor, chunk: PrefillChunk,
