@@ -75,10 +75,12 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     (torch, the dequantized weight in float64), and greedy tokens and log
     probabilities against transformers through the native products (AVX2 tiles), the
     in-place decode kernel and the sparse backends' list kernel (8-lane register fold),
+    the causal prefill kernel (8-lane tiles),
     oneDNN and OpenBLAS (capped)."""
     selected = [
         "tests/test_cpu_blas.py::test_native_kernel_at_odd_widths_equals_torch",
         "tests/kv/test_paged_native.py::test_the_kernel_equals_gathered_attention",
+        "tests/kv/test_prefill_causal.py::test_the_kernel_equals_sdpa_per_chunk",
         "tests/kv/test_block_sparse_native.py::test_native_list_attention_is_the_gathered_route",
         "tests/quant/test_kernels.py::test_quantized_product_equals_the_dequantized_reference",
         "tests/test_parity.py::test_greedy_tokens_and_logprobs_match_transformers"
@@ -97,6 +99,7 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout
     # The builds that ran have no AVX-512 in them (the host's own decode kernel does).
+    from tokenmill.attention.paged_native import PREFILL_SOURCE as PREFILL
     from tokenmill.attention.paged_native import SOURCE as DECODE
     from tokenmill.layers.native_linear import SOURCE as PRODUCTS
     from tokenmill.quant.kernels import SOURCE as QUANTIZED
@@ -105,7 +108,8 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     monkeypatch.setenv("TOKENMILL_ISA", "avx2")
     for name, source, flags in (("f32_linear", PRODUCTS, ()),
                                 ("qlinear", QUANTIZED, ()),
-                                ("paged_decode", DECODE, ("-ffast-math",))):
+                                ("paged_decode", DECODE, ("-ffast-math",)),
+                                ("prefill_causal", PREFILL, ("-ffast-math",))):
         assert avx512_instructions(build_extension(name, source, flags)) == 0
     monkeypatch.delenv("TOKENMILL_ISA")
     assert avx512_instructions(native) > 0

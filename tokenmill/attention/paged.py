@@ -136,14 +136,20 @@ class PagedAttention(AttentionBackend):
         num_decode = metadata.num_decode_tokens
         if num_decode == q.shape[0]:  # decode rows only: their output is the step's
             return self._decode(q, kv_cache, metadata, scale, layer_index)
-        out = torch.empty_like(q)
+        out = q.new_empty(q.shape)
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], kv_cache, metadata, scale,
                                             layer_index)
-        for chunk in metadata.prefills:
+        self._prefill_chunks(q, k, v, metadata.prefills, kv_cache, scale, layer_index, out)
+        return out
+
+    def _prefill_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        chunks: list[PrefillChunk], kv_cache: KVCache, scale: float,
+                        layer_index: int, out: torch.Tensor) -> None:
+        """Each chunk's attention output into its rows of out."""
+        for chunk in chunks:
             out[chunk.start:chunk.end] = self._prefill(q, k, v, chunk, kv_cache, scale,
                                                        layer_index)
-        return out
 
     def _prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  chunk: PrefillChunk, kv_cache: KVCache, scale: float,

@@ -10,10 +10,16 @@ token rows (all KV heads) and folded into a running softmax per query head while
 next tile is prefetched, so the context is read once, where it lies, with no copy and
 no padding to the longest request. A decode-only step writes its K/V in the same
 call. A speculative (multi-token) decode row's tokens are rows of
-their own for the kernel, each with its causal key count. Prefill chunks, a
-quantized cache, a non-float32 model or a device without the kernel take the `paged`
-path unchanged. The sums run in another order than SDPA's: outputs agree to float32
-rounding, not bit for bit.
+their own for the kernel, each with its causal key count.
+
+A step's prefill chunks with no cached context (up to MAX_FRESH_CHUNK tokens each) run
+through a second kernel (csrc/prefill_causal.cpp), all in one call: per chunk, block of
+query positions and KV head, the scores as a small matrix product, a softmax per row,
+the weighted values as a second product (2-2.7x torch's fused kernel at 128-512 tokens,
+1.3-1.6x at 1-2K; docs/BENCHMARKS.md). Chunks with a context, a quantized cache, a
+non-float32 model or a device without the kernels take the `paged` path unchanged. The
+sums run in another order than SDPA's: outputs agree to float32 rounding, not bit for
+bit.
 """
 
 from __future__ import annotations
@@ -23,17 +29,30 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.attention.paged import PagedAttention, PagedMetadata
+from tokenmill.attention.paged import PagedAttention, PagedMetadata, PrefillChunk
 from tokenmill.kv import KVCache
 from tokenmill.layers.native import build_extension
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+PREFILL_SOURCE = Path(__file__).resolve().parent / "csrc" / "prefill_causal.cpp"
+# Longest fresh chunk the prefill kernel takes: its score buffer holds a block's rows
+# times the chunk's length (1.8 MB per thread at 4096 tokens on the 0.5B shape's heads);
+# longer chunks take torch's kernel, whose online softmax bounds its memory. Measured
+# level with it at 4-8K tokens (docs/BENCHMARKS.md).
+MAX_FRESH_CHUNK = 4096
+BLOCK_POSITIONS = 16  # query positions per work item (x the query heads of a KV head)
 
 
 @functools.cache  # (no arguments: a lookup per layer costs nothing)
 def native_decode():
     """The compiled kernel module, or None where it cannot be built."""
     return build_extension("paged_decode", SOURCE, ("-ffast-math",))
+
+
+@functools.cache
+def native_prefill():
+    """The compiled causal prefill kernel, or None where it cannot be built."""
+    return build_extension("prefill_causal", PREFILL_SOURCE, ("-ffast-math",))
 
 
 class PagedNativeAttention(PagedAttention):
@@ -50,6 +69,7 @@ class PagedNativeAttention(PagedAttention):
         if (cache is not None and cache.data.device.type == "cpu" and not cache.quantized
                 and cache.data.dtype == torch.float32):
             native_decode()
+            native_prefill()
 
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
@@ -62,6 +82,26 @@ class PagedNativeAttention(PagedAttention):
                                        _heads_contiguous(v), metadata.slot_mapping,
                                        kv_cache.data[0], kv_cache.data[1], tables, lengths,
                                        scale)
+
+    def _prefill_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        chunks: list[PrefillChunk], kv_cache: KVCache, scale: float,
+                        layer_index: int, out: torch.Tensor) -> None:
+        kernel = native_prefill() if q.device.type == "cpu" else None
+        usable = (kernel is not None and not kv_cache.quantized and q.dtype == torch.float32
+                  and q.shape[-1] % kernel.lanes() == 0)
+        fresh, rest = [], []
+        for chunk in chunks:
+            takes = (usable and chunk.context_len == 0
+                     and chunk.end - chunk.start <= MAX_FRESH_CHUNK)
+            (fresh if takes else rest).append(chunk)
+        if fresh:
+            starts = torch.tensor([chunk.start for chunk in fresh], dtype=torch.int64)
+            lengths = torch.tensor([chunk.end - chunk.start for chunk in fresh],
+                                   dtype=torch.int64)
+            kernel.causal_prefill(_heads_contiguous(q), _heads_contiguous(k),
+                                  _heads_contiguous(v), out, starts, lengths, scale,
+                                  BLOCK_POSITIONS)
+        super()._prefill_chunks(q, k, v, rest, kv_cache, scale, layer_index, out)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
                 scale: float, layer_index: int) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""The causal prefill kernel (csrc/prefill_causal.cpp, the paged-native backend's
+fresh prefill chunks) against torch's SDPA, and the backend taking it only where it
+applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tokenmill.attention.paged_native as paged_native
+from tokenmill import LLM, SamplingParams
+
+kernel = paged_native.native_prefill()
+pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler for the kernel")
+
+
+def reference(q, k, v, starts, lengths, scale):
+    return [F.scaled_dot_product_attention(
+        *(x[s:s + n].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=scale,
+        enable_gqa=True)[0].transpose(0, 1) for s, n in zip(starts, lengths, strict=True)]
+
+
+# Chunks of 1 token, within one block of 16 positions, across blocks, and longer than a
+# block's padded rows; head sizes of one to eight vectors.
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [
+    (14, 2, 64), (8, 8, 32), (4, 1, 16), (4, 2, 128), (6, 3, 48)])
+@pytest.mark.parametrize("block_positions", [16, 5])
+def test_the_kernel_equals_sdpa_per_chunk(heads, kv_heads, head_dim, block_positions):
+    if head_dim % kernel.lanes():
+        pytest.skip(f"head_dim {head_dim} is not a multiple of {kernel.lanes()} lanes")
+    generator = torch.Generator().manual_seed(heads + head_dim)
+    lengths = [1, 5, 17, 40, 130]
+    lead = 3  # rows before the first chunk (decode rows in a mixed step): untouched
+    starts = [lead + sum(lengths[:i]) for i in range(len(lengths))]
+    rows = lead + sum(lengths)
+    # Strided rows of one fused projection, as the model hands them over.
+    fused = torch.randn(rows, heads + 2 * kv_heads, head_dim, generator=generator)
+    q, k, v = fused.split((heads, kv_heads, kv_heads), dim=1)
+    out = torch.full((rows, heads, head_dim), float("nan"))
+    kernel.causal_prefill(q, k, v, out, torch.tensor(starts), torch.tensor(lengths), 0.3,
+                          block_positions)
+    assert out[:lead].isnan().all()
+    expected = reference(q, k, v, starts, lengths, 0.3)
+    for start, n, want in zip(starts, lengths, expected, strict=True):
+        torch.testing.assert_close(out[start:start + n], want, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_is_named():
+    q, k, v = torch.randn(8, 4, 32), torch.randn(8, 2, 32), torch.randn(8, 2, 32)
+    out = torch.empty(8, 4, 32)
+    with pytest.raises(RuntimeError, match="outside the batch"):
+        kernel.causal_prefill(q, k, v, out, torch.tensor([4]), torch.tensor([5]), 0.1, 16)
+    with pytest.raises(RuntimeError, match="multiple of KV heads"):
+        kernel.causal_prefill(q, torch.randn(8, 3, 32), torch.randn(8, 3, 32), out,
+                              torch.tensor([0]), torch.tensor([8]), 0.1, 16)
+
+
+def test_the_backend_takes_the_kernel_for_fresh_chunks_only(monkeypatch, llama_dir):
+    """Fresh chunks (no cached context) of a step in one call; a chunk with a context
+    (chunked prefill), a chunk over MAX_FRESH_CHUNK and a quantized cache take the
+    `paged` path; greedy tokens equal that path's everywhere."""
+    calls = []
+
+    class Spy:
+        lanes = staticmethod(kernel.lanes)
+
+        @staticmethod
+        def causal_prefill(*args):
+            calls.append(args[5].tolist())
+            return kernel.causal_prefill(*args)
+
+    monkeypatch.setattr(paged_native, "native_prefill", lambda: Spy)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 17, 42, 99, 3], list(range(20, 61))]
+    plain = LLM(str(llama_dir), progress=False, attention_backend="paged")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    native = LLM(str(llama_dir), progress=False, attention_backend="paged-native")
+    assert [o.outputs[0].token_ids for o in native.generate(prompts, params)] == expected
+    assert calls == [[5, 41]] * native.engine.executor.worker.runner.arch.num_layers
+    calls.clear()
+    chunked = LLM(str(llama_dir), progress=False, attention_backend="paged-native",
+                  max_num_batched_tokens=16, enable_chunked_prefill=True)
+    assert [o.outputs[0].token_ids for o in chunked.generate(prompts, params)] == expected
+    assert calls and all(length <= 16 for lengths in calls for length in lengths)
+    calls.clear()
+    monkeypatch.setattr(paged_native, "MAX_FRESH_CHUNK", 8)
+    assert [o.outputs[0].token_ids for o in native.generate(prompts, params)] == expected
+    assert calls and all(lengths == [5] for lengths in calls)
+    calls.clear()
+    quantized = LLM(str(llama_dir), progress=False, attention_backend="paged-native",
+                    kv_cache_dtype="int8")
+    quantized.generate(prompts, params)
+    assert calls == []

@@ -1,0 +1,225 @@
+// Causal attention for a step's prefill chunks that have no cached context (each chunk
+// attends to its own K/V only), all chunks in one call (attention/paged_native.py).
+//
+// torch's fused CPU kernel runs short causal sequences at a fraction of the machine's
+// rate (30-50 GFLOP/s for 128-512 tokens on the 0.5B shape's heads, 2 cores:
+// docs/BENCHMARKS.md). Here a work item is one chunk's block of query positions for one
+// KV head: its G query heads' rows (G x positions rows, ordered position-major) take
+// their scores against the keys up to the block's last position as one small matrix
+// product (keys transposed into [head_dim][keys], a tile of rows x 3 vectors of keys in
+// registers), a softmax per row over the keys its position sees, then the weighted sum
+// of values as a second product (a tile of rows x a group of head_dim vectors). Work
+// items go to threads round-robin, so the triangle's long and short blocks spread
+// evenly. Buffers are padded to whole tiles (zero rows and keys), so no tile has a
+// tail. Sums run in another order than SDPA's: outputs agree to float32 rounding.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kVec = 16;
+constexpr int kScoreRows = 8;  // 8 x 3 accumulators + 3 key vectors
+constexpr int kOutRows = 6;    // 6 x 4 accumulators + 4 value vectors
+#else
+constexpr int kVec = 8;
+constexpr int kScoreRows = 4;  // 4 x 3 accumulators + 3 key vectors (16 registers)
+constexpr int kOutRows = 3;    // 3 x 4 accumulators + 4 value vectors
+#endif
+constexpr int kScoreVecs = 3;  // keys per score tile: 3 vectors
+constexpr int kKeyTile = kScoreVecs * kVec;
+constexpr int kRowPad = std::lcm(kScoreRows, kOutRows);  // rows: whole tiles of both kinds
+typedef float vf __attribute__((vector_size(kVec * sizeof(float))));
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
+inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
+
+struct Chunk {
+  const float *q, *k, *v;  // the chunk's first row of each, at this KV head
+  float* out;
+  int64_t q_row, k_row, v_row, out_row;  // row strides (floats)
+};
+
+// scores[rows][keys] = queries[rows][D] . kt[D][keys] for a tile of MR rows x 3 vectors.
+template <int MR>
+void score_tile(const float* queries, const float* kt, float* scores, int64_t head_dim,
+                int64_t keys, int64_t r0, int64_t j0) {
+  vf acc[MR][kScoreVecs] = {};
+  for (int64_t d = 0; d < head_dim; ++d) {
+    vf w[kScoreVecs];
+    for (int t = 0; t < kScoreVecs; ++t) w[t] = load(kt + d * keys + j0 + t * kVec);
+    for (int m = 0; m < MR; ++m) {
+      const float x = queries[(r0 + m) * head_dim + d];
+      for (int t = 0; t < kScoreVecs; ++t) acc[m][t] += x * w[t];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < kScoreVecs; ++t) store(scores + (r0 + m) * keys + j0 + t * kVec, acc[m][t]);
+}
+
+// out rows [r0, r0 + MR), dims [c0, c0 + CV vectors) = sum over keys j < used of
+// weights[row][j] * values[j].
+template <int MR, int CV>
+void value_tile(const float* weights, int64_t keys, const float* values, int64_t v_row,
+                float* sums, int64_t head_dim, int64_t r0, int64_t c0, int64_t used) {
+  vf acc[MR][CV] = {};
+  for (int64_t j = 0; j < used; ++j) {
+    vf w[CV];
+    for (int t = 0; t < CV; ++t) w[t] = load(values + j * v_row + c0 + t * kVec);
+    for (int m = 0; m < MR; ++m) {
+      const float p = weights[(r0 + m) * keys + j];
+      for (int t = 0; t < CV; ++t) acc[m][t] += p * w[t];
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < CV; ++t) store(sums + (r0 + m) * head_dim + c0 + t * kVec, acc[m][t]);
+}
+
+template <int CV>
+void values_pass(const float* weights, int64_t keys, const float* values, int64_t v_row,
+                 float* sums, int64_t head_dim, int64_t rows, const int64_t* used) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kOutRows)
+    for (int64_t c0 = 0; c0 < head_dim; c0 += CV * kVec)
+      value_tile<kOutRows, CV>(weights, keys, values, v_row, sums, head_dim, r0, c0,
+                               used[r0 / kOutRows]);
+}
+
+struct Buffers {
+  std::vector<float> queries, kt, scores, sums;
+  std::vector<int64_t> used;
+};
+
+// Query positions [p0, p1) of one chunk, one KV head and its `group` query heads.
+void block(const Chunk& c, int64_t group, int64_t head_dim, int64_t p0, int64_t p1,
+           float scale, Buffers& b) {
+  const int64_t positions = p1 - p0, real_rows = positions * group;
+  const int64_t rows = round_up(real_rows, kRowPad);
+  const int64_t keys = round_up(p1, kKeyTile);
+  b.queries.assign(rows * head_dim, 0.0f);
+  b.kt.assign(head_dim * keys, 0.0f);
+  b.scores.resize(rows * keys);
+  b.sums.resize(rows * head_dim);
+  // Row (position i, head h) = i * group + h, its query scaled.
+  for (int64_t i = 0; i < positions; ++i)
+    for (int64_t h = 0; h < group; ++h) {
+      const float* src = c.q + (p0 + i) * c.q_row + h * head_dim;
+      float* dst = b.queries.data() + (i * group + h) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * scale;
+    }
+  for (int64_t j = 0; j < p1; ++j)
+    for (int64_t d = 0; d < head_dim; ++d) b.kt[d * keys + j] = c.k[j * c.k_row + d];
+  for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows)
+    for (int64_t j0 = 0; j0 < keys; j0 += kKeyTile)
+      score_tile<kScoreRows>(b.queries.data(), b.kt.data(), b.scores.data(), head_dim, keys,
+                             r0, j0);
+  // Softmax over the keys each row's position sees; weights past them (and padding
+  // rows') are zero. The sums are left unnormalised until the end.
+  std::vector<float> inverse(rows, 0.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = b.scores.data() + r * keys;
+    const int64_t seen = r < real_rows ? p0 + r / group + 1 : 0;
+    float top = -1e30f;
+    for (int64_t j = 0; j < seen; ++j) top = std::max(top, s[j]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < seen; ++j) {  // vector exp (libmvec)
+      s[j] = std::exp(s[j] - top);
+      total += s[j];
+    }
+    std::fill(s + seen, s + keys, 0.0f);
+    if (seen) inverse[r] = 1.0f / total;
+  }
+  b.used.resize(rows / kOutRows);
+  for (int64_t t = 0; t < rows / kOutRows; ++t) {
+    const int64_t last = std::min(real_rows, (t + 1) * kOutRows) - 1;
+    b.used[t] = last >= t * kOutRows ? p0 + last / group + 1 : 0;
+  }
+  const int64_t vectors = head_dim / kVec;
+  if (vectors % 4 == 0)
+    values_pass<4>(b.scores.data(), keys, c.v, c.v_row, b.sums.data(), head_dim, rows, b.used.data());
+  else if (vectors % 2 == 0)
+    values_pass<2>(b.scores.data(), keys, c.v, c.v_row, b.sums.data(), head_dim, rows, b.used.data());
+  else
+    values_pass<1>(b.scores.data(), keys, c.v, c.v_row, b.sums.data(), head_dim, rows, b.used.data());
+  for (int64_t i = 0; i < positions; ++i)
+    for (int64_t h = 0; h < group; ++h) {
+      const int64_t r = i * group + h;
+      const float* src = b.sums.data() + r * head_dim;
+      float* dst = c.out + (p0 + i) * c.out_row + h * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = src[d] * inverse[r];
+    }
+}
+
+// Rows of [T, heads, D] with each row's heads contiguous (the row stride is free).
+void check_rows(const torch::Tensor& x, const char* name, int64_t heads, int64_t head_dim) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 3 && x.size(1) == heads &&
+              x.size(2) == head_dim && x.stride(2) == 1 && x.stride(1) == head_dim,
+              name, " must be float32 [T, ", heads, ", ", head_dim,
+              "] with each row's heads contiguous");
+}
+
+// q [T, H, D], k / v [T, KVH, D]; chunk i holds rows [starts[i], starts[i] + lengths[i]).
+// Writes those rows of out [T, H, D] (contiguous); other rows are left as they are.
+void causal_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor out,
+                    torch::Tensor starts, torch::Tensor lengths, double scale,
+                    int64_t block_positions) {
+  const int64_t heads = q.size(1), head_dim = q.size(2), kv_heads = k.size(1);
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(head_dim % kVec == 0, "head_dim must be a multiple of ", kVec);
+  check_rows(q, "q", heads, head_dim);
+  check_rows(k, "k", kv_heads, head_dim);
+  check_rows(v, "v", kv_heads, head_dim);
+  check_rows(out, "out", heads, head_dim);
+  TORCH_CHECK(out.is_contiguous() && out.size(0) == q.size(0), "out must be contiguous [T, H, D]");
+  TORCH_CHECK(starts.dtype() == torch::kInt64 && lengths.dtype() == torch::kInt64 &&
+              starts.numel() == lengths.numel(), "starts / lengths must be int64, one per chunk");
+  TORCH_CHECK(block_positions > 0, "block_positions must be positive");
+  const int64_t group = heads / kv_heads;
+  const auto* start = starts.data_ptr<int64_t>();
+  const auto* length = lengths.data_ptr<int64_t>();
+  struct Item { int64_t chunk, kv_head, p0, p1; };
+  std::vector<Item> items;
+  for (int64_t c = 0; c < starts.numel(); ++c) {
+    TORCH_CHECK(start[c] >= 0 && length[c] >= 0 && start[c] + length[c] <= q.size(0),
+                "chunk ", c, " lies outside the batch");
+    for (int64_t p0 = 0; p0 < length[c]; p0 += block_positions)
+      for (int64_t h = 0; h < kv_heads; ++h)
+        items.push_back({c, h, p0, std::min(length[c], p0 + block_positions)});
+  }
+  const float* qd = q.data_ptr<float>();
+  const float* kd = k.data_ptr<float>();
+  const float* vd = v.data_ptr<float>();
+  float* od = out.data_ptr<float>();
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
+                                                                   items.size()));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    Buffers buffers;
+    for (int64_t t = begin; t < end; ++t)
+      for (size_t i = t; i < items.size(); i += threads) {
+        const Item& it = items[i];
+        const int64_t row = start[it.chunk];
+        const Chunk c{qd + row * q.stride(0) + it.kv_head * group * head_dim,
+                      kd + row * k.stride(0) + it.kv_head * head_dim,
+                      vd + row * v.stride(0) + it.kv_head * head_dim,
+                      od + row * out.stride(0) + it.kv_head * group * head_dim,
+                      q.stride(0), k.stride(0), v.stride(0), out.stride(0)};
+        block(c, group, head_dim, it.p0, it.p1, static_cast<float>(scale), buffers);
+      }
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("causal_prefill", &causal_prefill,
+        "causal attention of prefill chunks over their own K/V (see prefill_causal.cpp)");
+  m.def("lanes", [] { return kVec; }, "floats per vector: head_dim must be a multiple");
+}
