@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.paged_native import BLOCK_POSITIONS, native_prefill
+from tokenmill.attention.fresh_prefill import BLOCK_POSITIONS, KEY_BLOCK, native_prefill
 from tokenmill.bench.ceilings import machine_ceilings
 
 
@@ -34,7 +34,7 @@ def best_of(fn, rounds: int) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=[
-        "32:128", "8:256", "4:512", "1:1024", "1:2048", "1:4096"])
+        "32:128", "8:256", "4:512", "1:1024", "1:2048", "1:4096", "1:8192"])
     parser.add_argument("--heads", type=int, default=14)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -74,7 +74,8 @@ def measure(kernel, args: argparse.Namespace, count: int, n: int,
     lengths = torch.full((count,), n)
 
     def native():
-        kernel.causal_prefill(q, k, v, out, starts, lengths, 0.125, BLOCK_POSITIONS)
+        kernel.causal_prefill(q, k, v, out, starts, lengths, 0.125, BLOCK_POSITIONS,
+                              KEY_BLOCK)
 
     def sdpa():
         for start in starts.tolist():

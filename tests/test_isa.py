@@ -99,7 +99,7 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout
     # The builds that ran have no AVX-512 in them (the host's own decode kernel does).
-    from tokenmill.attention.paged_native import PREFILL_SOURCE as PREFILL
+    from tokenmill.attention.fresh_prefill import SOURCE as PREFILL
     from tokenmill.attention.paged_native import SOURCE as DECODE
     from tokenmill.layers.native_linear import SOURCE as PRODUCTS
     from tokenmill.quant.kernels import SOURCE as QUANTIZED

@@ -12,14 +12,11 @@ no padding to the longest request. A decode-only step writes its K/V in the same
 call. A speculative (multi-token) decode row's tokens are rows of
 their own for the kernel, each with its causal key count.
 
-A step's prefill chunks with no cached context (up to MAX_FRESH_CHUNK tokens each) run
-through a second kernel (csrc/prefill_causal.cpp), all in one call: per chunk, block of
-query positions and KV head, the scores as a small matrix product, a softmax per row,
-the weighted values as a second product (2-2.7x torch's fused kernel at 128-512 tokens,
-1.3-1.6x at 1-2K; docs/BENCHMARKS.md). Chunks with a context, a quantized cache, a
-non-float32 model or a device without the kernels take the `paged` path unchanged. The
-sums run in another order than SDPA's: outputs agree to float32 rounding, not bit for
-bit.
+A step's prefill chunks with no cached context, up to a length measured on this
+machine, run through a second kernel, all in one call (fresh_prefill.py). Chunks with a
+context, a quantized cache, a non-float32 model or a device without the kernels take
+the `paged` path unchanged. The sums run in another order than SDPA's: outputs agree to
+float32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -29,30 +26,17 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.attention import fresh_prefill
+from tokenmill.attention.fresh_prefill import native_prefill
 from tokenmill.attention.paged import PagedAttention, PagedMetadata, PrefillChunk
 from tokenmill.kv import KVCache
 from tokenmill.layers.native import build_extension
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
-PREFILL_SOURCE = Path(__file__).resolve().parent / "csrc" / "prefill_causal.cpp"
-# Longest fresh chunk the prefill kernel takes: its score buffer holds a block's rows
-# times the chunk's length (1.8 MB per thread at 4096 tokens on the 0.5B shape's heads);
-# longer chunks take torch's kernel, whose online softmax bounds its memory. Measured
-# level with it at 4-8K tokens (docs/BENCHMARKS.md).
-MAX_FRESH_CHUNK = 4096
-BLOCK_POSITIONS = 16  # query positions per work item (x the query heads of a KV head)
-
-
 @functools.cache  # (no arguments: a lookup per layer costs nothing)
 def native_decode():
     """The compiled kernel module, or None where it cannot be built."""
     return build_extension("paged_decode", SOURCE, ("-ffast-math",))
-
-
-@functools.cache
-def native_prefill():
-    """The compiled causal prefill kernel, or None where it cannot be built."""
-    return build_extension("prefill_causal", PREFILL_SOURCE, ("-ffast-math",))
 
 
 class PagedNativeAttention(PagedAttention):
@@ -61,6 +45,9 @@ class PagedNativeAttention(PagedAttention):
     # write and attention can be one compiled call (a backend that chooses keys, as
     # the sparse ones do, routes its decode rows through _decode instead).
     fused_decode = True
+    # Longest fresh prefill chunk the native kernel takes (measured in allocate_state;
+    # 0 until then: torch's kernel).
+    fresh_chunk_limit = 0
 
     def allocate_state(self, kv_caches: list[KVCache]) -> None:
         # Build (or load) the kernel at start-up, not in the first request's decode:
@@ -69,7 +56,10 @@ class PagedNativeAttention(PagedAttention):
         if (cache is not None and cache.data.device.type == "cpu" and not cache.quantized
                 and cache.data.dtype == torch.float32):
             native_decode()
-            native_prefill()
+            kernel = native_prefill()
+            if kernel is not None and self.spec.head_dim % kernel.lanes() == 0:
+                self.fresh_chunk_limit = fresh_prefill.longest_chunk(
+                    kernel, self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim)
 
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
@@ -92,15 +82,12 @@ class PagedNativeAttention(PagedAttention):
         fresh, rest = [], []
         for chunk in chunks:
             takes = (usable and chunk.context_len == 0
-                     and chunk.end - chunk.start <= MAX_FRESH_CHUNK)
+                     and chunk.end - chunk.start <= self.fresh_chunk_limit)
             (fresh if takes else rest).append(chunk)
         if fresh:
-            starts = torch.tensor([chunk.start for chunk in fresh], dtype=torch.int64)
-            lengths = torch.tensor([chunk.end - chunk.start for chunk in fresh],
-                                   dtype=torch.int64)
-            kernel.causal_prefill(_heads_contiguous(q), _heads_contiguous(k),
-                                  _heads_contiguous(v), out, starts, lengths, scale,
-                                  BLOCK_POSITIONS)
+            fresh_prefill.run(kernel, _heads_contiguous(q), _heads_contiguous(k),
+                              _heads_contiguous(v), out, [chunk.start for chunk in fresh],
+                              [chunk.end - chunk.start for chunk in fresh], scale)
         super()._prefill_chunks(q, k, v, rest, kv_cache, scale, layer_index, out)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,

@@ -1,0 +1,110 @@
+"""Causal attention of a step's fresh prefill chunks (no cached context) through the
+native kernel (csrc/prefill_causal.cpp), up to a chunk length measured on this machine.
+
+The kernel takes all of a step's fresh chunks in one call: a work item is one chunk's
+block of BLOCK_POSITIONS query positions for one KV head, whose query heads' rows take
+their scores as one small matrix product, a softmax per row over the keys its position
+sees, and the weighted values as a second product, over the keys in passes of
+KEY_BLOCK with a running softmax. It beats torch's fused kernel on short chunks
+(1.3-2x at 128-512 tokens on the 0.5B shape's heads) and loses on long ones, where
+torch's full tiles run faster; where the two cross differs by host (2K tokens with
+AVX-512, 1K under AVX2 on the same Zen 4: docs/BENCHMARKS.md). So at start-up the
+backend times both on one chunk of 128, 256, ... MAX_PROBE tokens with the model's
+head geometry, and the kernel takes chunks up to the longest length to which it was
+no slower at every length (cached per host, threads and geometry; a few seconds once).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.layers.native import build_extension
+from tokenmill.layers.product_table import host_key
+from tokenmill.layers.timing import CACHE, median_seconds
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "prefill_causal.cpp"
+BLOCK_POSITIONS = 16  # query positions per work item (x the query heads of a KV head)
+KEY_BLOCK = 256  # keys per pass of the running softmax (a pass's scores stay in cache)
+MAX_PROBE = 2048  # longest chunk timed (and so the longest the kernel ever takes)
+REPEATS = 3
+
+
+@functools.cache  # (no arguments: a lookup per layer costs nothing)
+def native_prefill():
+    """The compiled kernel, or None where it cannot be built."""
+    return build_extension("prefill_causal", SOURCE, ("-ffast-math",))
+
+
+def run(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+        starts: list[int], lengths: list[int], scale: float) -> None:
+    """Chunk i's attention (rows starts[i] .. + lengths[i] of q, k, v: [T, heads, D]
+    with each row's heads contiguous) into the same rows of out (contiguous)."""
+    kernel.causal_prefill(q, k, v, out, torch.tensor(starts, dtype=torch.int64),
+                          torch.tensor(lengths, dtype=torch.int64), scale, BLOCK_POSITIONS,
+                          KEY_BLOCK)
+
+
+def choose_limit(table: dict[int, tuple[float, float]]) -> int:
+    """table {length: (kernel seconds, torch seconds)} -> the longest length up to which
+    the kernel was no slower at every measured length (0: not even the shortest)."""
+    limit = 0
+    for length in sorted(table):
+        kernel, torch_seconds = table[length]
+        if kernel > torch_seconds:
+            break
+        limit = length
+    return limit
+
+
+def measure_table(kernel, heads: int, kv_heads: int, head_dim: int
+                  ) -> dict[int, tuple[float, float]]:
+    """{length: (kernel, torch) median seconds of one chunk's causal attention}."""
+    generator = torch.Generator().manual_seed(0)
+    table = {}
+    length = 128
+    while length <= MAX_PROBE:
+        table[length] = time_chunk(kernel, length, heads, kv_heads, head_dim, generator)
+        length *= 2
+    return table
+
+
+def time_chunk(kernel, length: int, heads: int, kv_heads: int, head_dim: int,
+               generator: torch.Generator) -> tuple[float, float]:
+    """(kernel, torch) median seconds of one chunk of `length` random tokens."""
+    # Strided rows of one fused projection, as the model hands them over.
+    fused = torch.randn(length, heads + 2 * kv_heads, head_dim, generator=generator)
+    q, k, v = fused.split((heads, kv_heads, kv_heads), dim=1)
+    v = v.contiguous()
+    out = torch.empty(length, heads, head_dim)
+    scale = head_dim ** -0.5
+    ours = median_seconds(lambda: run(kernel, q, k, v, out, [0], [length], scale), REPEATS)
+    theirs = median_seconds(lambda: F.scaled_dot_product_attention(
+        *(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=scale,
+        enable_gqa=True), REPEATS)
+    return ours, theirs
+
+
+def longest_chunk(kernel, heads: int, kv_heads: int, head_dim: int) -> int:
+    """The cached or freshly measured longest fresh chunk the kernel takes here."""
+    threads = torch.get_num_threads()
+    path = (CACHE / "prefill" / f"{host_key(threads)}-{threads}t"
+            / f"{heads}-{kv_heads}-{head_dim}-{KEY_BLOCK}-{BLOCK_POSITIONS}.json")
+    if path.is_file():
+        table = {int(n): tuple(t) for n, t in json.loads(path.read_text()).items()}
+    else:
+        table = measure_table(kernel, heads, kv_heads, head_dim)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({str(n): t for n, t in table.items()}))
+    limit = choose_limit(table)
+    logger.info("causal prefill kernel: chunks up to %d tokens (kernel/torch per layer: %s)",
+                limit, ", ".join(f"{n}: {a * 1e3:.2f}/{b * 1e3:.2f} ms"
+                                 for n, (a, b) in table.items()))
+    return limit
