@@ -10,7 +10,9 @@ import torch.nn.functional as F
 
 import tokenmill.attention.fresh_prefill as fresh_prefill
 import tokenmill.attention.paged_native as paged_native
+import tokenmill.layers.product_table as product_table
 from tokenmill import LLM, SamplingParams
+from tokenmill.cli import main
 
 kernel = fresh_prefill.native_prefill()
 pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ compiler for the kernel")
@@ -66,7 +68,7 @@ def test_the_limit_is_the_longest_length_never_slower():
     assert fresh_prefill.choose_limit({256: (1, 2), 128: (1, 2)}) == 256  # any order
 
 
-def test_the_limit_is_measured_once_and_cached(monkeypatch, tmp_path):
+def test_the_limit_is_measured_once_and_cached(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(fresh_prefill, "CACHE", tmp_path)
     monkeypatch.setattr(fresh_prefill, "MAX_PROBE", 256)
     timed = []
@@ -82,6 +84,12 @@ def test_the_limit_is_measured_once_and_cached(monkeypatch, tmp_path):
     assert fresh_prefill.longest_chunk(kernel, 4, 2, 32) == first and timed == [128, 256]
     fresh_prefill.longest_chunk(kernel, 4, 4, 32)  # another geometry: its own table
     assert timed == [128, 256] * 2
+    # `tokenmill tune --report` prints both tables and their choices.
+    monkeypatch.setattr(product_table, "CACHE", tmp_path)  # no product table stored
+    assert main(["tune", "--report", "--threads", str(torch.get_num_threads())]) == 0
+    out = capsys.readouterr().out
+    assert "4 query / 2 KV heads of 32" in out and "4 query / 4 KV heads of 32" in out
+    assert out.count("| 128 |") == 2 and out.count("choice:") == 2
 
 
 def test_the_backend_takes_the_kernel_for_fresh_chunks_only(monkeypatch, llama_dir):

@@ -92,10 +92,36 @@ def time_chunk(kernel, length: int, heads: int, kv_heads: int, head_dim: int,
     return ours, theirs
 
 
+def table_dir(threads: int) -> Path:
+    return CACHE / "prefill" / f"{host_key(threads)}-{threads}t"
+
+
+def stored_tables(threads: int) -> dict[str, dict[int, tuple[float, float]]]:
+    """{"heads-kv_heads-head_dim": table} measured on this host at `threads` threads."""
+    tables = {}
+    for path in sorted(table_dir(threads).glob("*.json")):
+        geometry = "-".join(path.stem.split("-")[:3])
+        tables[geometry] = {int(n): tuple(t) for n, t in json.loads(path.read_text()).items()}
+    return tables
+
+
+def format_table(geometry: str, table: dict[int, tuple[float, float]]) -> str:
+    heads, kv_heads, head_dim = geometry.split("-")
+    lines = [f"causal prefill kernel, {heads} query / {kv_heads} KV heads of {head_dim}: "
+             "ms per layer for one fresh chunk",
+             "| tokens | kernel | torch SDPA | torch / kernel |", "| --- | --- | --- | --- |"]
+    for n, (ours, theirs) in sorted(table.items()):
+        lines.append(f"| {n} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | {theirs / ours:.2f}x |")
+    limit = choose_limit(table)
+    lines.append(f"choice: the kernel takes chunks up to {limit} tokens" if limit
+                 else "choice: torch's kernel for every chunk")
+    return "\n".join(lines)
+
+
 def longest_chunk(kernel, heads: int, kv_heads: int, head_dim: int) -> int:
     """The cached or freshly measured longest fresh chunk the kernel takes here."""
     threads = torch.get_num_threads()
-    path = (CACHE / "prefill" / f"{host_key(threads)}-{threads}t"
+    path = (table_dir(threads)
             / f"{heads}-{kv_heads}-{head_dim}-{KEY_BLOCK}-{BLOCK_POSITIONS}.json")
     if path.is_file():
         table = {int(n): tuple(t) for n, t in json.loads(path.read_text()).items()}
