@@ -1,8 +1,9 @@
 """The compiled per-row operators (layers/csrc/row_ops.cpp) against the torch forms they
 replace: rotary embedding bit for bit (on Q and K side by side in a fused QKV row, as
 the model calls it), RMSNorm to an ulp or two, the residual add before a norm bit for
-bit, silu(gate) * up to a few ulp (its own exponential, extremes included); autograd
-keeps the torch forms."""
+bit, silu(gate) * up to a few ulp (its own exponential, extremes included), argmax index
+for index (ties, NaNs, infinities, rows of every length); autograd keeps the torch
+forms."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.native import native_row_ops
 from tokenmill.layers.norm import RMSNorm
 from tokenmill.layers.rotary import RotaryEmbedding, apply_rotary, rotate
+from tokenmill.layers.sampler import greedy
 
 pytestmark = pytest.mark.skipif(native_row_ops() is None, reason="no C++ compiler")
 
@@ -70,6 +72,24 @@ def test_silu_and_mul_matches_the_torch_form(rows):
         out = silu_and_mul(x)
     assert out.shape == (rows, 4864)
     torch.testing.assert_close(out, reference, rtol=1e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("width", [1, 5, 63, 64, 65, 1000, 151936])
+def test_argmax_is_torchs(width):
+    generator = torch.Generator().manual_seed(width)
+    x = torch.randn(6, width, generator=generator)
+    x[1] = 3.0  # every value tied: the first
+    x[2] = float("-inf")
+    x[3, width // 2] = float("inf")
+    x[4, -1] = float("nan")  # a NaN wins, as in torch
+    x[4, width // 3] = float("nan")
+    x[5, -1] = 50.0  # the maximum in the tail past the last whole chunk
+    with torch.inference_mode():
+        assert torch.equal(native_row_ops().argmax(x), x.argmax(dim=-1))
+        assert torch.equal(greedy(x), x.argmax(dim=-1))
+        assert torch.equal(greedy(x[:, :1].contiguous()), torch.zeros(6, dtype=torch.int64))
+        strided = x.t()[:1].t()  # not contiguous: torch's own
+        assert torch.equal(greedy(strided), strided.argmax(dim=-1))
 
 
 def test_autograd_keeps_the_torch_forms():

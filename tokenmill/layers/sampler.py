@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.layers.native import row_ops_for
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -107,11 +108,20 @@ def draw_uniforms(uniforms: list[float | None], shared: torch.Generator,
     return torch.tensor(values, dtype=torch.float32, device=device)
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (its first maximum; its first NaN where it has one, as torch's):
+    one compiled call on the CPU in float32 (layers/csrc/row_ops.cpp), where torch's
+    argmax took 160-250 µs for one row of a 151936-token vocabulary, the compiled one
+    12-21 µs."""
+    ops = row_ops_for(logits) if logits.dim() == 2 and logits.is_contiguous() else None
+    return ops.argmax(logits) if ops is not None else logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch, shared: torch.Generator,
            raw_logprobs: torch.Tensor | None = None) -> SamplerOutput:
     """Choose a token per row of (processed) logits; raw_logprobs, the model's own
     log-distribution, is what logprobs are reported from (when the batch asks)."""
-    token_ids = logits.argmax(dim=-1)
+    token_ids = greedy(logits)
     if not batch.all_greedy:
         sorted_logits, order = filter_logits(logits, batch)
         cdf = sorted_logits.softmax(dim=-1).cumsum(dim=-1)

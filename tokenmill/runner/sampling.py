@@ -35,6 +35,7 @@ from tokenmill.layers.rejection_sampler import (
 )
 from tokenmill.layers.sampler import (
     build_sampling_batch,
+    greedy,
     position_uniform,
     sample,
     token_logprobs,
@@ -115,7 +116,7 @@ class StepSampler:
             per_row.extend(_processors(request.sampling, i, drafts[:i])
                            for i in range(len(drafts) + 1))
         processed = apply_logits_processors(logits, per_row)
-        greedy_choice = processed.argmax(dim=-1).tolist()
+        greedy_choice = greedy(processed).tolist()
         row = 0
         for request in requests:
             k, params = request.num_spec_tokens, request.sampling.params

@@ -22,6 +22,7 @@ from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.step import ProposalRequest, ScheduledRequest
 from tokenmill.layers.linear import weight_bytes
 from tokenmill.layers.rejection_sampler import processed_probs
+from tokenmill.layers.sampler import greedy
 from tokenmill.model.loader import LoadedModel, dtype_name, load_model, read_config
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.speculative.base import MAX_CATCH_UP, DraftSampler, Proposal, Proposer
@@ -166,7 +167,7 @@ class DraftModelProposer(Proposer):
               ) -> tuple[list[int], torch.Tensor | None]:
         """Greedy rows take the argmax; sampled rows draw from their processed q."""
         params = [s.request.params for s in shadows]
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = greedy(logits).tolist()
         if all(p.temperature == 0 for p in params):
             return tokens, None
         probs = processed_probs(logits, params)

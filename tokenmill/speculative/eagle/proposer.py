@@ -12,6 +12,7 @@ from tokenmill.core.kv_manager import KVCacheManager
 from tokenmill.core.step import ProposalRequest, ScheduledRequest
 from tokenmill.layers.linear import LinearSelector, weight_bytes
 from tokenmill.layers.rejection_sampler import processed_probs
+from tokenmill.layers.sampler import greedy
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.runner.model_runner import ModelRunner
@@ -268,7 +269,7 @@ class EagleProposer(Proposer):
         """Append each request's next draft token: argmax for greedy requests, a draw
         from its processed distribution q (kept for verification) otherwise."""
         logits = self.target.compute_logits(predicted)
-        chosen = logits.argmax(dim=-1).tolist()
+        chosen = greedy(logits).tolist()
         sampled_rows = [row for row, d in enumerate(drafts)
                         if d.request.params.temperature != 0]
         if sampled_rows:
