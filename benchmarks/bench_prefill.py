@@ -25,6 +25,7 @@ from bench_core import MODEL_DIR, build_model  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.ceilings import machine_ceilings  # noqa: E402
+from tokenmill.model.loader import read_config  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[str, dict[str, object]]:
@@ -62,7 +63,8 @@ def prepare(description: str, new_tokens: int
     print(f"ceilings: {ceilings.matmul_gflops:.1f} GFLOP/s fp32 GEMM, "
           f"{ceilings.bandwidth_gbs:.1f} GB/s ({ceilings.machine}, {args.threads} threads)")
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
+    vocab = min(100000, read_config(model).vocab_size)  # pycoder's is 8192
+    prompts = [[rng.randrange(vocab // 100, vocab) for _ in range(args.prompt)]
                for _ in range(args.requests)]
     return args, model, ceilings, prompts
 
