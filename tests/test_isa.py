@@ -99,6 +99,7 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout
     # The builds that ran have no AVX-512 in them (the host's own decode kernel does).
+    from tokenmill.attention.fresh_prefill import FLAGS as PREFILL_FLAGS
     from tokenmill.attention.fresh_prefill import SOURCE as PREFILL
     from tokenmill.attention.paged_native import SOURCE as DECODE
     from tokenmill.layers.native_linear import SOURCE as PRODUCTS
@@ -109,7 +110,7 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     for name, source, flags in (("f32_linear", PRODUCTS, ()),
                                 ("qlinear", QUANTIZED, ()),
                                 ("paged_decode", DECODE, ("-ffast-math",)),
-                                ("prefill_causal", PREFILL, ("-ffast-math",))):
+                                ("prefill_causal", PREFILL, PREFILL_FLAGS)):
         assert avx512_instructions(build_extension(name, source, flags)) == 0
     monkeypatch.delenv("TOKENMILL_ISA")
     assert avx512_instructions(native) > 0

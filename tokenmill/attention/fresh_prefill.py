@@ -1,17 +1,18 @@
 """Causal attention of a step's fresh prefill chunks (no cached context) through the
 native kernel (csrc/prefill_causal.cpp), up to a chunk length measured on this machine.
 
-The kernel takes all of a step's fresh chunks in one call: a work item is one chunk's
-block of BLOCK_POSITIONS query positions for one KV head, whose query heads' rows take
-their scores as one small matrix product, a softmax per row over the keys its position
-sees, and the weighted values as a second product, over the keys in passes of
-KEY_BLOCK with a running softmax. It beats torch's fused kernel on short chunks
-(1.3-2x at 128-512 tokens on the 0.5B shape's heads) and loses on long ones, where
-torch's full tiles run faster; where the two cross differs by host (2K tokens with
-AVX-512, 1K under AVX2 on the same Zen 4: docs/BENCHMARKS.md). So at start-up the
-backend times both on one chunk of 128, 256, ... MAX_PROBE tokens with the model's
-head geometry, and the kernel takes chunks up to the longest length to which it was
-no slower at every length (cached per host, threads and geometry; a few seconds once).
+The kernel takes all of a step's fresh chunks in one call: each chunk's keys are
+transposed once per KV head; a work item is one chunk's block of BLOCK_POSITIONS query
+positions for one KV head, whose query heads' rows take their scores as one small
+matrix product, a softmax per row over the keys its position sees, and the weighted
+values as a second product, over the keys in passes of KEY_BLOCK with a running
+softmax. Against torch's fused kernel it is 1.4-2x faster at 128-512 tokens on the
+0.5B shape's heads; on longer chunks it depends on the host: with AVX-512 it stayed
+ahead up to 8K tokens, under AVX2 (smaller register tiles) it fell behind from about
+1K on the same Zen 4 (docs/BENCHMARKS.md). So at start-up the backend times both on one
+chunk of 128, 256, ... MAX_PROBE tokens with the model's head geometry, and the kernel
+takes chunks up to the longest length to which it was no slower at every length
+(cached per host, threads, geometry and kernel build; under a second once).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from tokenmill.layers.native import build_extension
+from tokenmill.layers.native import build_extension, build_key
 from tokenmill.layers.product_table import host_key
 from tokenmill.layers.timing import CACHE, median_seconds
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "prefill_causal.cpp"
+FLAGS = ("-ffast-math",)
 BLOCK_POSITIONS = 16  # query positions per work item (x the query heads of a KV head)
 KEY_BLOCK = 256  # keys per pass of the running softmax (a pass's scores stay in cache)
 MAX_PROBE = 2048  # longest chunk timed (and so the longest the kernel ever takes)
@@ -40,7 +42,7 @@ REPEATS = 3
 @functools.cache  # (no arguments: a lookup per layer costs nothing)
 def native_prefill():
     """The compiled kernel, or None where it cannot be built."""
-    return build_extension("prefill_causal", SOURCE, ("-ffast-math",))
+    return build_extension("prefill_causal", SOURCE, FLAGS)
 
 
 def run(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -97,9 +99,10 @@ def table_dir(threads: int) -> Path:
 
 
 def stored_tables(threads: int) -> dict[str, dict[int, tuple[float, float]]]:
-    """{"heads-kv_heads-head_dim": table} measured on this host at `threads` threads."""
+    """{"heads-kv_heads-head_dim": table} measured on this host at `threads` threads
+    with the current kernel."""
     tables = {}
-    for path in sorted(table_dir(threads).glob("*.json")):
+    for path in sorted(table_dir(threads).glob(f"*-{build_key(SOURCE, FLAGS)[:8]}.json")):
         geometry = "-".join(path.stem.split("-")[:3])
         tables[geometry] = {int(n): tuple(t) for n, t in json.loads(path.read_text()).items()}
     return tables
@@ -121,8 +124,10 @@ def format_table(geometry: str, table: dict[int, tuple[float, float]]) -> str:
 def longest_chunk(kernel, heads: int, kv_heads: int, head_dim: int) -> int:
     """The cached or freshly measured longest fresh chunk the kernel takes here."""
     threads = torch.get_num_threads()
+    # The kernel's build key: a changed kernel is timed again.
+    build = build_key(SOURCE, FLAGS)[:8]
     path = (table_dir(threads)
-            / f"{heads}-{kv_heads}-{head_dim}-{KEY_BLOCK}-{BLOCK_POSITIONS}.json")
+            / f"{heads}-{kv_heads}-{head_dim}-{KEY_BLOCK}-{BLOCK_POSITIONS}-{build}.json")
     if path.is_file():
         table = {int(n): tuple(t) for n, t in json.loads(path.read_text()).items()}
     else:

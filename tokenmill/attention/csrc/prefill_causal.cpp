@@ -45,19 +45,21 @@ inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
 inline int64_t round_up(int64_t n, int64_t to) { return (n + to - 1) / to * to; }
 
 struct Chunk {
-  const float *q, *k, *v;  // the chunk's first row of each, at this KV head
+  const float *q, *v;  // the chunk's first row of each, at this KV head
+  const float* kt;     // its keys transposed, [head_dim][ld] (zero past the chunk)
   float* out;
-  int64_t q_row, k_row, v_row, out_row;  // row strides (floats)
+  int64_t q_row, v_row, out_row, ld;  // row strides (floats)
 };
 
-// scores[rows][keys] = queries[rows][D] . kt[D][keys] for a tile of MR rows x 3 vectors.
+// scores[rows][keys] = queries[rows][D] . kt[D][ld] (its columns from j0) for a tile of
+// MR rows x 3 vectors.
 template <int MR>
-void score_tile(const float* queries, const float* kt, float* scores, int64_t head_dim,
-                int64_t keys, int64_t r0, int64_t j0) {
+void score_tile(const float* queries, const float* kt, int64_t ld, float* scores,
+                int64_t head_dim, int64_t keys, int64_t r0, int64_t j0) {
   vf acc[MR][kScoreVecs] = {};
   for (int64_t d = 0; d < head_dim; ++d) {
     vf w[kScoreVecs];
-    for (int t = 0; t < kScoreVecs; ++t) w[t] = load(kt + d * keys + j0 + t * kVec);
+    for (int t = 0; t < kScoreVecs; ++t) w[t] = load(kt + d * ld + j0 + t * kVec);
     for (int m = 0; m < MR; ++m) {
       const float x = queries[(r0 + m) * head_dim + d];
       for (int t = 0; t < kScoreVecs; ++t) acc[m][t] += x * w[t];
@@ -98,20 +100,20 @@ void values_pass(const float* weights, int64_t keys, const float* values, int64_
 }
 
 struct Buffers {
-  std::vector<float> queries, kt, scores, sums, top, total;
+  std::vector<float> queries, scores, sums, top, total;
   std::vector<int64_t> used;
 };
 
 // Query positions [p0, p1) of one chunk, one KV head and its `group` query heads, over
-// the keys [0, p1) in blocks of `key_block` (a running softmax per row, as flash
-// attention keeps, so the scores of a block stay in cache whatever the chunk's length).
+// the keys [0, p1) in passes of `key_block` (a multiple of kKeyTile; a running softmax
+// per row, as flash attention keeps, so a pass's scores stay in cache whatever the
+// chunk's length).
 void block(const Chunk& c, int64_t group, int64_t head_dim, int64_t p0, int64_t p1,
            float scale, int64_t key_block, Buffers& b) {
   const int64_t positions = p1 - p0, real_rows = positions * group;
   const int64_t rows = round_up(real_rows, kRowPad);
-  const int64_t width = round_up(std::min(key_block, p1), kKeyTile);  // a block's keys
+  const int64_t width = round_up(std::min(key_block, p1), kKeyTile);  // a pass's keys
   b.queries.assign(rows * head_dim, 0.0f);
-  b.kt.resize(head_dim * width);
   b.scores.resize(rows * width);
   b.sums.assign(rows * head_dim, 0.0f);
   b.top.assign(rows, -1e30f);
@@ -127,14 +129,11 @@ void block(const Chunk& c, int64_t group, int64_t head_dim, int64_t p0, int64_t 
   const int64_t vectors = head_dim / kVec;
   for (int64_t k0 = 0; k0 < p1; k0 += key_block) {
     const int64_t k1 = std::min(p1, k0 + key_block);
-    const int64_t keys = round_up(k1 - k0, kKeyTile);
-    std::fill(b.kt.begin(), b.kt.end(), 0.0f);
-    for (int64_t j = k0; j < k1; ++j)
-      for (int64_t d = 0; d < head_dim; ++d) b.kt[d * keys + j - k0] = c.k[j * c.k_row + d];
+    const int64_t keys = round_up(k1 - k0, kKeyTile);  // within ld: k0 is a whole tile
     for (int64_t r0 = 0; r0 < rows; r0 += kScoreRows)
       for (int64_t j0 = 0; j0 < keys; j0 += kKeyTile)
-        score_tile<kScoreRows>(b.queries.data(), b.kt.data(), b.scores.data(), head_dim, keys,
-                               r0, j0);
+        score_tile<kScoreRows>(b.queries.data(), c.kt + k0, c.ld, b.scores.data(), head_dim,
+                               keys, r0, j0);
     // Each row's scores of the keys its position sees in this block become weights
     // against its running maximum (its sums rescaled when the maximum grows); the
     // rest (later keys, padding rows) weigh zero.
@@ -213,13 +212,20 @@ void causal_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Te
   TORCH_CHECK(block_positions > 0 && key_block > 0,
               "block_positions and key_block must be positive");
   const int64_t group = heads / kv_heads;
+  const int64_t pass = std::max<int64_t>(kKeyTile, key_block / kKeyTile * kKeyTile);
   const auto* start = starts.data_ptr<int64_t>();
   const auto* length = lengths.data_ptr<int64_t>();
+  const int64_t chunks = starts.numel();
+  // Each (chunk, KV head)'s keys transposed once, [head_dim][ld] at kt_at[c]: every
+  // block of its positions reads them.
+  std::vector<int64_t> kt_at(chunks + 1, 0), ld(chunks);
   struct Item { int64_t chunk, kv_head, p0, p1; };
   std::vector<Item> items;
-  for (int64_t c = 0; c < starts.numel(); ++c) {
+  for (int64_t c = 0; c < chunks; ++c) {
     TORCH_CHECK(start[c] >= 0 && length[c] >= 0 && start[c] + length[c] <= q.size(0),
                 "chunk ", c, " lies outside the batch");
+    ld[c] = round_up(length[c], kKeyTile);
+    kt_at[c + 1] = kt_at[c] + kv_heads * head_dim * ld[c];
     for (int64_t p0 = 0; p0 < length[c]; p0 += block_positions)
       for (int64_t h = 0; h < kv_heads; ++h)
         items.push_back({c, h, p0, std::min(length[c], p0 + block_positions)});
@@ -228,6 +234,16 @@ void causal_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Te
   const float* kd = k.data_ptr<float>();
   const float* vd = v.data_ptr<float>();
   float* od = out.data_ptr<float>();
+  std::vector<float> kt(kt_at[chunks], 0.0f);
+  at::parallel_for(0, chunks * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t c = i / kv_heads, h = i % kv_heads;
+      float* target = kt.data() + kt_at[c] + h * head_dim * ld[c];
+      const float* keys = kd + start[c] * k.stride(0) + h * head_dim;
+      for (int64_t j = 0; j < length[c]; ++j)
+        for (int64_t d = 0; d < head_dim; ++d) target[d * ld[c] + j] = keys[j * k.stride(0) + d];
+    }
+  });
   const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(),
                                                                    items.size()));
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
@@ -237,12 +253,11 @@ void causal_prefill(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Te
         const Item& it = items[i];
         const int64_t row = start[it.chunk];
         const Chunk c{qd + row * q.stride(0) + it.kv_head * group * head_dim,
-                      kd + row * k.stride(0) + it.kv_head * head_dim,
                       vd + row * v.stride(0) + it.kv_head * head_dim,
+                      kt.data() + kt_at[it.chunk] + it.kv_head * head_dim * ld[it.chunk],
                       od + row * out.stride(0) + it.kv_head * group * head_dim,
-                      q.stride(0), k.stride(0), v.stride(0), out.stride(0)};
-        block(c, group, head_dim, it.p0, it.p1, static_cast<float>(scale), key_block,
-              buffers);
+                      q.stride(0), v.stride(0), out.stride(0), ld[it.chunk]};
+        block(c, group, head_dim, it.p0, it.p1, static_cast<float>(scale), pass, buffers);
       }
   });
 }
