@@ -8,11 +8,11 @@ matrix product, a softmax per row over the keys its position sees, and the weigh
 values as a second product, over the keys in passes of KEY_BLOCK with a running
 softmax. Against torch's fused kernel it is 1.4-2x faster at 128-512 tokens on the
 0.5B shape's heads; on longer chunks it depends on the host: with AVX-512 it stayed
-ahead up to 8K tokens, under AVX2 (smaller register tiles) it fell behind from about
-1K on the same Zen 4 (docs/BENCHMARKS.md). So at start-up the backend times both on one
-chunk of 128, 256, ... MAX_PROBE tokens with the model's head geometry, and the kernel
-takes chunks up to the longest length to which it was no slower at every length
-(cached per host, threads, geometry and kernel build; under a second once).
+ahead up to 8K tokens, under AVX2 (half the registers, smaller tiles) it fell behind
+from 2-4K on the same Zen 4 (docs/BENCHMARKS.md). So at start-up the backend times both
+on one chunk of 128, 256, ... MAX_PROBE tokens with the model's head geometry, and the
+kernel takes chunks up to the longest length to which it was no slower at every length
+(cached per host, threads, geometry and kernel build; about a second, once).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from tokenmill.layers.native import build_extension, build_key
 from tokenmill.layers.product_table import host_key
-from tokenmill.layers.timing import CACHE, median_seconds
+from tokenmill.layers.timing import CACHE
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ BLOCK_POSITIONS = 16  # query positions per work item (x the query heads of a KV
 KEY_BLOCK = 256  # keys per pass of the running softmax (a pass's scores stay in cache)
 MAX_PROBE = 2048  # longest chunk timed (and so the longest the kernel ever takes)
 REPEATS = 3
+WARM_UP = 1
 
 
 @functools.cache  # (no arguments: a lookup per layer costs nothing)
@@ -68,8 +70,9 @@ def choose_limit(table: dict[int, tuple[float, float]]) -> int:
 
 def measure_table(kernel, heads: int, kv_heads: int, head_dim: int
                   ) -> dict[int, tuple[float, float]]:
-    """{length: (kernel, torch) median seconds of one chunk's causal attention}."""
+    """{length: (kernel, torch) seconds of one chunk's causal attention}."""
     generator = torch.Generator().manual_seed(0)
+    time_chunk(kernel, 128, heads, kv_heads, head_dim, generator)  # the process's first calls
     table = {}
     length = 128
     while length <= MAX_PROBE:
@@ -80,17 +83,31 @@ def measure_table(kernel, heads: int, kv_heads: int, head_dim: int
 
 def time_chunk(kernel, length: int, heads: int, kv_heads: int, head_dim: int,
                generator: torch.Generator) -> tuple[float, float]:
-    """(kernel, torch) median seconds of one chunk of `length` random tokens."""
+    """(kernel, torch) seconds of one chunk of `length` random tokens: the best of
+    REPEATS calls each, the two alternated after WARM_UP calls of each (measure_table
+    runs a throw-away round first: the first calls in a process pay for thread start-up
+    and first touches, and a median of 3 once read 2.07 ms for a 0.42 ms call and chose
+    torch everywhere)."""
     # Strided rows of one fused projection, as the model hands them over.
     fused = torch.randn(length, heads + 2 * kv_heads, head_dim, generator=generator)
     q, k, v = fused.split((heads, kv_heads, kv_heads), dim=1)
     v = v.contiguous()
     out = torch.empty(length, heads, head_dim)
     scale = head_dim ** -0.5
-    ours = median_seconds(lambda: run(kernel, q, k, v, out, [0], [length], scale), REPEATS)
-    theirs = median_seconds(lambda: F.scaled_dot_product_attention(
-        *(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True, scale=scale,
-        enable_gqa=True), REPEATS)
+    calls = (lambda: run(kernel, q, k, v, out, [0], [length], scale),
+             lambda: F.scaled_dot_product_attention(
+                 *(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+                 scale=scale, enable_gqa=True))
+    for call in calls:
+        for _ in range(WARM_UP):
+            call()
+    best = [float("inf"), float("inf")]
+    for _ in range(REPEATS):
+        for index, call in enumerate(calls):
+            started = time.perf_counter()
+            call()
+            best[index] = min(best[index], time.perf_counter() - started)
+    ours, theirs = best
     return ours, theirs
 
 

@@ -29,13 +29,16 @@ namespace {
 #if defined(__AVX512F__)
 constexpr int kVec = 16;
 constexpr int kScoreRows = 8;  // 8 x 3 accumulators + 3 key vectors
+constexpr int kScoreVecs = 3;
 constexpr int kOutRows = 6;    // 6 x 4 accumulators + 4 value vectors
+constexpr int kOutVecs = 4;    // value vectors per tile, at most
 #else
 constexpr int kVec = 8;
-constexpr int kScoreRows = 4;  // 4 x 3 accumulators + 3 key vectors (16 registers)
-constexpr int kOutRows = 3;    // 3 x 4 accumulators + 4 value vectors
+constexpr int kScoreRows = 6;  // 6 x 2 accumulators + 2 key vectors + a broadcast
+constexpr int kScoreVecs = 2;
+constexpr int kOutRows = 6;    // 6 x 2 accumulators + 2 value vectors + a broadcast
+constexpr int kOutVecs = 2;    // (6 x 4 would not fit 16 registers)
 #endif
-constexpr int kScoreVecs = 3;  // keys per score tile: 3 vectors
 constexpr int kKeyTile = kScoreVecs * kVec;
 constexpr int kRowPad = std::lcm(kScoreRows, kOutRows);  // rows: whole tiles of both kinds
 typedef float vf __attribute__((vector_size(kVec * sizeof(float))));
@@ -166,8 +169,8 @@ void block(const Chunk& c, int64_t group, int64_t head_dim, int64_t p0, int64_t 
           ? std::clamp<int64_t>(p0 + last / group + 1 - k0, 0, k1 - k0) : 0;
     }
     const float* values = c.v + k0 * c.v_row;
-    if (vectors % 4 == 0)
-      values_pass<4>(b.scores.data(), keys, values, c.v_row, b.sums.data(), head_dim, rows,
+    if (kOutVecs >= 4 && vectors % 4 == 0)
+      values_pass<kOutVecs>(b.scores.data(), keys, values, c.v_row, b.sums.data(), head_dim, rows,
                      b.used.data());
     else if (vectors % 2 == 0)
       values_pass<2>(b.scores.data(), keys, values, c.v_row, b.sums.data(), head_dim, rows,
