@@ -6,8 +6,9 @@
 // docs/BENCHMARKS.md). Here a work item is one chunk's block of query positions for one
 // KV head: its G query heads' rows (G x positions rows, ordered position-major) take
 // their scores against the keys up to the block's last position as one small matrix
-// product (keys transposed into [head_dim][keys], a tile of rows x 3 vectors of keys in
-// registers), a softmax per row over the keys its position sees, then the weighted sum
+// product (the chunk's keys transposed once per KV head into [head_dim][keys]; a tile of
+// rows x a few vectors of keys in registers), a softmax per row over the keys its
+// position sees, then the weighted sum
 // of values as a second product (a tile of rows x a group of head_dim vectors); the
 // keys in passes of key_block, each row's softmax kept running across them, so a pass's
 // scores stay in cache (one pass over a 2K chunk's keys ran 1.4x slower under AVX2). Work
