@@ -1,6 +1,7 @@
 """Causal attention of fresh prefill chunks (no cached context): the paged-native
-backend's kernel (csrc/prefill_causal.cpp, all of a step's chunks in one call) against
-torch's fused SDPA kernel (one call per chunk, as the `paged` backend runs them).
+backend's kernel (csrc/prefill_causal.cpp, all of a step's chunks in one call, K/V read
+from the paged cache) against torch's fused SDPA kernel (one call per chunk on the
+step's own K/V, as the `paged` backend runs them).
 
 Per --shapes "B:n" (B chunks of n tokens), on the --heads / --kv-heads / --head-dim
 shape (the 0.5B shape's by default): the two alternated, best of --rounds; GFLOP/s
@@ -17,7 +18,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.fresh_prefill import BLOCK_POSITIONS, KEY_BLOCK, native_prefill
+from tokenmill.attention import prefill_native
+from tokenmill.attention.prefill_native import native_prefill
 from tokenmill.bench.ceilings import machine_ceilings
 
 
@@ -62,32 +64,47 @@ def main() -> None:
 
 def measure(kernel, args: argparse.Namespace, count: int, n: int,
             generator: torch.Generator) -> tuple[float, float]:
-    """(kernel seconds, SDPA seconds) for `count` chunks of n tokens."""
-    rows = count * n
+    """(kernel seconds, SDPA seconds) for `count` chunks of n tokens with no context
+    (their K/V in a paged cache of 16-token blocks, shuffled, as the kernel reads them)."""
+    rows, block_size = count * n, 16
     # Strided rows of one fused projection, as the model hands them over.
     fused = torch.randn(rows, args.heads + 2 * args.kv_heads, args.head_dim,
                         generator=generator)
     q, k, v = fused.split((args.heads, args.kv_heads, args.kv_heads), dim=1)
-    v = v.contiguous()
+    per_chunk = -(-n // block_size)
+    order = torch.randperm(count * per_chunk, generator=generator)
+    tables = [order[i * per_chunk:(i + 1) * per_chunk] for i in range(count)]
+    caches = [torch.zeros(count * per_chunk, block_size, args.kv_heads, args.head_dim)
+              for _ in range(2)]
+    for i, table in enumerate(tables):
+        for cache, x in zip(caches, (k, v), strict=True):
+            padded = torch.zeros(per_chunk * block_size, args.kv_heads, args.head_dim)
+            padded[:n] = x[i * n:(i + 1) * n]
+            cache[table] = padded.view(per_chunk, block_size, args.kv_heads, args.head_dim)
     out = torch.empty(rows, args.heads, args.head_dim)
-    starts = torch.arange(count) * n
-    lengths = torch.full((count,), n)
+    starts = [i * n for i in range(count)]
 
     def native():
-        kernel.causal_prefill(q, k, v, out, starts, lengths, 0.125, BLOCK_POSITIONS,
-                              KEY_BLOCK)
+        prefill_native.run(kernel, q, caches[0], caches[1], out, tables, [0] * count,
+                           starts, [n] * count, 0.125)
 
     def sdpa():
-        for start in starts.tolist():
+        for start in starts:
             F.scaled_dot_product_attention(
                 *(x[start:start + n].transpose(0, 1)[None] for x in (q, k, v)),
                 is_causal=True, scale=0.125, enable_gqa=True)
 
+    native()
+    expected = torch.cat([F.scaled_dot_product_attention(
+        *(x[start:start + n].transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
+        scale=0.125, enable_gqa=True)[0].transpose(0, 1) for start in starts])
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
     times = {native: float("inf"), sdpa: float("inf")}
     for _ in range(2):  # alternate the two
         for fn in times:
             times[fn] = min(times[fn], best_of(fn, args.rounds))
     return times[native], times[sdpa]
+
 
 if __name__ == "__main__":
     main()

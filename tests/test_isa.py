@@ -80,7 +80,7 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     selected = [
         "tests/test_cpu_blas.py::test_native_kernel_at_odd_widths_equals_torch",
         "tests/kv/test_paged_native.py::test_the_kernel_equals_gathered_attention",
-        "tests/kv/test_prefill_causal.py::test_the_kernel_equals_sdpa_per_chunk",
+        "tests/kv/test_prefill_native.py::test_the_kernel_equals_sdpa_per_chunk",
         "tests/kv/test_block_sparse_native.py::test_native_list_attention_is_the_gathered_route",
         "tests/quant/test_kernels.py::test_quantized_product_equals_the_dequantized_reference",
         "tests/test_parity.py::test_greedy_tokens_and_logprobs_match_transformers"
@@ -99,9 +99,9 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout
     # The builds that ran have no AVX-512 in them (the host's own decode kernel does).
-    from tokenmill.attention.fresh_prefill import FLAGS as PREFILL_FLAGS
-    from tokenmill.attention.fresh_prefill import SOURCE as PREFILL
     from tokenmill.attention.paged_native import SOURCE as DECODE
+    from tokenmill.attention.prefill_native import FLAGS as PREFILL_FLAGS
+    from tokenmill.attention.prefill_native import SOURCE as PREFILL
     from tokenmill.layers.native_linear import SOURCE as PRODUCTS
     from tokenmill.quant.kernels import SOURCE as QUANTIZED
 

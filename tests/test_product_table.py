@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tokenmill.attention.fresh_prefill as fresh_prefill
+import tokenmill.attention.prefill_native as prefill_native
 import tokenmill.layers.product_table as table
 from tokenmill.cli import main
 from tokenmill.layers.products import NumpyProducts, ProductPolicy, product_policy
@@ -79,7 +79,7 @@ def test_the_probe_runs_once_and_auto_follows_it(tmp_path, monkeypatch):
 
 def test_tune_measures_a_models_shapes_and_reports(tmp_path, monkeypatch, capsys, llama_dir):
     monkeypatch.setattr(table, "CACHE", tmp_path)
-    monkeypatch.setattr(fresh_prefill, "CACHE", tmp_path)  # nor the prefill kernel's limit
+    monkeypatch.setattr(prefill_native, "CACHE", tmp_path)  # nor the prefill kernel's limit
     assert main(["tune", "--report", "--threads", "1"]) == 1  # nothing measured yet
     assert main(["tune", "--model", str(llama_dir), "--rows", "1,4", "--repeats", "1",
                  "--threads", "1", "--out", str(tmp_path / "plot")]) == 0

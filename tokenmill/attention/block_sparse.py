@@ -85,6 +85,7 @@ def head_groups(block_mask: torch.Tensor) -> list[list[int]]:
 
 class BlockSparseAttention(PagedNativeAttention):
     fused_decode = False  # decode rows choose their blocks (_decode)
+    dense_context_prefill = False  # chunks with a context: _prefill (--sparse-prefill)
     name = "block-sparse"  # abstract: subclasses register under their own names
 
     # False: always the gathered route (the tests compare the two).

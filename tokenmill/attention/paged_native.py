@@ -12,11 +12,11 @@ no padding to the longest request. A decode-only step writes its K/V in the same
 call. A speculative (multi-token) decode row's tokens are rows of
 their own for the kernel, each with its causal key count.
 
-A step's prefill chunks with no cached context, up to a length measured on this
-machine, run through a second kernel, all in one call (fresh_prefill.py). Chunks with a
-context, a quantized cache, a non-float32 model or a device without the kernels take
-the `paged` path unchanged. The sums run in another order than SDPA's: outputs agree to
-float32 rounding, not bit for bit.
+A step's prefill chunks whose sequences (cached context + chunk) are up to a length
+measured on this machine run through a second kernel, all in one call, reading the
+cache in place too (prefill_native.py). Longer ones, a quantized cache, a non-float32
+model or a device without the kernels take the `paged` path unchanged. The sums run in
+another order than SDPA's: outputs agree to float32 rounding, not bit for bit.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.attention import fresh_prefill
-from tokenmill.attention.fresh_prefill import native_prefill
+from tokenmill.attention import prefill_native
 from tokenmill.attention.paged import PagedAttention, PagedMetadata, PrefillChunk
+from tokenmill.attention.prefill_native import native_prefill
 from tokenmill.kv import KVCache
 from tokenmill.layers.native import build_extension
 
@@ -45,9 +45,12 @@ class PagedNativeAttention(PagedAttention):
     # write and attention can be one compiled call (a backend that chooses keys, as
     # the sparse ones do, routes its decode rows through _decode instead).
     fused_decode = True
-    # Longest fresh prefill chunk the native kernel takes (measured in allocate_state;
-    # 0 until then: torch's kernel).
-    fresh_chunk_limit = 0
+    # Longest prefill sequence (context + chunk) the native prefill kernel takes
+    # (measured in allocate_state; 0 until then: the paged path).
+    prefill_limit = 0
+    # Chunks behind a cached context through that kernel too (a sparse backend, which
+    # chooses their context keys itself, keeps them on its own path).
+    dense_context_prefill = True
 
     def allocate_state(self, kv_caches: list[KVCache]) -> None:
         # Build (or load) the kernel at start-up, not in the first request's decode:
@@ -58,7 +61,7 @@ class PagedNativeAttention(PagedAttention):
             native_decode()
             kernel = native_prefill()
             if kernel is not None and self.spec.head_dim % kernel.lanes() == 0:
-                self.fresh_chunk_limit = fresh_prefill.longest_chunk(
+                self.prefill_limit = prefill_native.longest_sequence(
                     kernel, self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim)
 
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -79,15 +82,16 @@ class PagedNativeAttention(PagedAttention):
         kernel = native_prefill() if q.device.type == "cpu" else None
         usable = (kernel is not None and not kv_cache.quantized and q.dtype == torch.float32
                   and q.shape[-1] % kernel.lanes() == 0)
-        fresh, rest = [], []
+        native, rest = [], []
         for chunk in chunks:
-            takes = (usable and chunk.context_len == 0
-                     and chunk.end - chunk.start <= self.fresh_chunk_limit)
-            (fresh if takes else rest).append(chunk)
-        if fresh:
-            fresh_prefill.run(kernel, _heads_contiguous(q), _heads_contiguous(k),
-                              _heads_contiguous(v), out, [chunk.start for chunk in fresh],
-                              [chunk.end - chunk.start for chunk in fresh], scale)
+            takes = (usable and chunk.seq_len <= self.prefill_limit
+                     and (chunk.context_len == 0 or self.dense_context_prefill))
+            (native if takes else rest).append(chunk)
+        if native:  # their K/V were written to the cache when the layer's step began
+            prefill_native.run(kernel, _heads_contiguous(q), kv_cache.data[0],
+                               kv_cache.data[1], out, [c.block_table for c in native],
+                               [c.context_len for c in native], [c.start for c in native],
+                               [c.end - c.start for c in native], scale)
         super()._prefill_chunks(q, k, v, rest, kv_cache, scale, layer_index, out)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,

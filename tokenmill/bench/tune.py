@@ -9,7 +9,7 @@ version and thread count; the choice is the candidate with the smallest
 geometric-mean slowdown over the classes, and the fastest per class is reported
 beside it. `--report` prints what is stored (the start-up probe's or a tune's) and
 plots it, and the limit the paged-native backend measured at start-up for its causal
-prefill kernel (attention/fresh_prefill.py). `--scheduler` times the scheduler knobs
+prefill kernel (attention/prefill_native.py). `--scheduler` times the scheduler knobs
 instead (bench/tune_scheduler.py).
 """
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.attention import fresh_prefill
+from tokenmill.attention import prefill_native
 from tokenmill.bench.tune_scheduler import (
     add_scheduler_arguments,
     cmd_tune_scheduler,
@@ -125,7 +125,7 @@ def format_table(entry: dict) -> str:
 
 def report(threads: int, out: Path | None) -> int:
     entry = read_table(threads)
-    prefill = fresh_prefill.stored_tables(threads)
+    prefill = prefill_native.stored_tables(threads)
     if entry is None and not prefill:
         print(f"nothing measured on this host at {threads} threads yet: run `tokenmill tune` "
               f"(or start an engine: --cpu-blas auto probes)", file=sys.stderr)
@@ -137,9 +137,9 @@ def report(threads: int, out: Path | None) -> int:
             plot(entry, out)
     # The attention backend's own measured choice (paged-native, at engine start-up).
     for geometry, table in prefill.items():
-        print("\n" + fresh_prefill.format_table(geometry, table))
+        print("\n" + prefill_native.format_table(geometry, table))
     if prefill:
-        print(f"from {fresh_prefill.table_dir(threads)}")
+        print(f"from {prefill_native.table_dir(threads)}")
     return 0
 
 

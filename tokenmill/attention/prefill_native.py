@@ -1,18 +1,21 @@
-"""Causal attention of a step's fresh prefill chunks (no cached context) through the
-native kernel (csrc/prefill_causal.cpp), up to a chunk length measured on this machine.
+"""Causal attention of a step's prefill chunks through the native kernel
+(csrc/prefill_causal.cpp), for sequences (cached context + chunk) up to a length
+measured on this machine; the paged-native backend takes it.
 
-The kernel takes all of a step's fresh chunks in one call: each chunk's keys are
-transposed once per KV head; a work item is one chunk's block of BLOCK_POSITIONS query
-positions for one KV head, whose query heads' rows take their scores as one small
-matrix product, a softmax per row over the keys its position sees, and the weighted
-values as a second product, over the keys in passes of KEY_BLOCK with a running
-softmax. Against torch's fused kernel it is 1.4-2x faster at 128-512 tokens on the
-0.5B shape's heads; on longer chunks it depends on the host: with AVX-512 it stayed
-ahead up to 8K tokens, under AVX2 (half the registers, smaller tiles) it fell behind
-from 2-4K on the same Zen 4 (docs/BENCHMARKS.md). So at start-up the backend times both
-on one chunk of 128, 256, ... MAX_PROBE tokens with the model's head geometry, and the
-kernel takes chunks up to the longest length to which it was no slower at every length
-(cached per host, threads, geometry and kernel build; about a second, once).
+The kernel takes all of the chunks in one call and reads keys and values where they lie
+in the paged cache (the step's own K/V already written there), so a chunk behind a
+cached context needs no gather: each chunk's keys are transposed once per KV head out
+of its blocks; a work item is one chunk's block of BLOCK_POSITIONS query positions for
+one KV head, whose query heads' rows take their scores as one small matrix product, a
+softmax per row over the keys its position sees, and the weighted values as a second
+product, over the keys in passes of KEY_BLOCK with a running softmax. Against torch's
+fused kernel it is 1.4-2x faster at 128-512 tokens on the 0.5B shape's heads; on
+longer sequences it depends on the host: with AVX-512 it stayed ahead up to 8K tokens,
+under AVX2 (half the registers, smaller tiles) it fell behind from 2-4K on the same Zen
+4 (docs/BENCHMARKS.md). So at start-up the backend times both on one chunk of 128, 256,
+... MAX_PROBE tokens with the model's head geometry, and the kernel takes sequences up to
+the longest length to which it was no slower at every length (cached per host, threads,
+geometry and kernel build; about a second, once). Longer ones take the paged path.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "prefill_causal.cpp"
 FLAGS = ("-ffast-math",)
 BLOCK_POSITIONS = 16  # query positions per work item (x the query heads of a KV head)
 KEY_BLOCK = 256  # keys per pass of the running softmax (a pass's scores stay in cache)
-MAX_PROBE = 2048  # longest chunk timed (and so the longest the kernel ever takes)
+MAX_PROBE = 2048  # longest sequence timed (and so the longest the kernel ever takes)
 REPEATS = 3
 WARM_UP = 1
 
@@ -47,11 +50,20 @@ def native_prefill():
     return build_extension("prefill_causal", SOURCE, FLAGS)
 
 
-def run(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+def run(kernel, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+        out: torch.Tensor, tables: list[torch.Tensor], contexts: list[int],
         starts: list[int], lengths: list[int], scale: float) -> None:
-    """Chunk i's attention (rows starts[i] .. + lengths[i] of q, k, v: [T, heads, D]
-    with each row's heads contiguous) into the same rows of out (contiguous)."""
-    kernel.causal_prefill(q, k, v, out, torch.tensor(starts, dtype=torch.int64),
+    """Chunk i's attention (query rows starts[i] .. + lengths[i] of q [T, heads, D],
+    each row's heads contiguous; positions contexts[i] onwards; keys and values in the
+    caches [blocks, block_size, KVH, D] through block table tables[i]) into the same
+    rows of out (contiguous)."""
+    width = max(len(table) for table in tables)
+    padded = torch.zeros(len(tables), width, dtype=torch.int64)
+    for row, table in enumerate(tables):
+        padded[row, :len(table)] = table
+    kernel.causal_prefill(q, key_cache, value_cache, out, padded,
+                          torch.tensor(contexts, dtype=torch.int64),
+                          torch.tensor(starts, dtype=torch.int64),
                           torch.tensor(lengths, dtype=torch.int64), scale, BLOCK_POSITIONS,
                           KEY_BLOCK)
 
@@ -82,19 +94,25 @@ def measure_table(kernel, heads: int, kv_heads: int, head_dim: int
 
 
 def time_chunk(kernel, length: int, heads: int, kv_heads: int, head_dim: int,
-               generator: torch.Generator) -> tuple[float, float]:
-    """(kernel, torch) seconds of one chunk of `length` random tokens: the best of
-    REPEATS calls each, the two alternated after WARM_UP calls of each (measure_table
-    runs a throw-away round first: the first calls in a process pay for thread start-up
-    and first touches, and a median of 3 once read 2.07 ms for a 0.42 ms call and chose
-    torch everywhere)."""
-    # Strided rows of one fused projection, as the model hands them over.
+               generator: torch.Generator, block_size: int = 16) -> tuple[float, float]:
+    """(kernel, torch) seconds of one chunk of `length` random tokens with no context:
+    the best of REPEATS calls each, the two alternated after WARM_UP calls of each
+    (measure_table runs a throw-away round first: the first calls in a process pay for
+    thread start-up and first touches, and a median of 3 once read 2.07 ms for a
+    0.42 ms call and chose torch everywhere)."""
+    # Strided rows of one fused projection, as the model hands them over; its K/V in a
+    # cache of blocks in order.
     fused = torch.randn(length, heads + 2 * kv_heads, head_dim, generator=generator)
     q, k, v = fused.split((heads, kv_heads, kv_heads), dim=1)
-    v = v.contiguous()
+    blocks = -(-length // block_size)
+    caches = [torch.zeros(blocks * block_size, kv_heads, head_dim) for _ in range(2)]
+    caches[0][:length], caches[1][:length] = k, v
+    key_cache, value_cache = (c.view(blocks, block_size, kv_heads, head_dim) for c in caches)
+    table = [torch.arange(blocks)]
     out = torch.empty(length, heads, head_dim)
     scale = head_dim ** -0.5
-    calls = (lambda: run(kernel, q, k, v, out, [0], [length], scale),
+    calls = (lambda: run(kernel, q, key_cache, value_cache, out, table, [0], [0], [length],
+                         scale),
              lambda: F.scaled_dot_product_attention(
                  *(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
                  scale=scale, enable_gqa=True))
@@ -128,18 +146,19 @@ def stored_tables(threads: int) -> dict[str, dict[int, tuple[float, float]]]:
 def format_table(geometry: str, table: dict[int, tuple[float, float]]) -> str:
     heads, kv_heads, head_dim = geometry.split("-")
     lines = [f"causal prefill kernel, {heads} query / {kv_heads} KV heads of {head_dim}: "
-             "ms per layer for one fresh chunk",
+             "ms per layer for one chunk",
              "| tokens | kernel | torch SDPA | torch / kernel |", "| --- | --- | --- | --- |"]
     for n, (ours, theirs) in sorted(table.items()):
         lines.append(f"| {n} | {ours * 1e3:.2f} | {theirs * 1e3:.2f} | {theirs / ours:.2f}x |")
     limit = choose_limit(table)
-    lines.append(f"choice: the kernel takes chunks up to {limit} tokens" if limit
+    lines.append(f"choice: the kernel takes sequences up to {limit} tokens" if limit
                  else "choice: torch's kernel for every chunk")
     return "\n".join(lines)
 
 
-def longest_chunk(kernel, heads: int, kv_heads: int, head_dim: int) -> int:
-    """The cached or freshly measured longest fresh chunk the kernel takes here."""
+def longest_sequence(kernel, heads: int, kv_heads: int, head_dim: int) -> int:
+    """The cached or freshly measured longest sequence (context + chunk) the kernel
+    takes here."""
     threads = torch.get_num_threads()
     # The kernel's build key: a changed kernel is timed again.
     build = build_key(SOURCE, FLAGS)[:8]
@@ -152,7 +171,7 @@ def longest_chunk(kernel, heads: int, kv_heads: int, head_dim: int) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps({str(n): t for n, t in table.items()}))
     limit = choose_limit(table)
-    logger.info("causal prefill kernel: chunks up to %d tokens (kernel/torch per layer: %s)",
-                limit, ", ".join(f"{n}: {a * 1e3:.2f}/{b * 1e3:.2f} ms"
-                                 for n, (a, b) in table.items()))
+    logger.info("causal prefill kernel: sequences up to %d tokens (kernel/torch per "
+                "layer: %s)", limit, ", ".join(f"{n}: {a * 1e3:.2f}/{b * 1e3:.2f} ms"
+                                               for n, (a, b) in table.items()))
     return limit
