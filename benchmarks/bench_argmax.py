@@ -9,22 +9,16 @@ inference mode as the engine runs it.
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from tokenmill.layers.sampler import greedy
+from tokenmill.layers.timing import best_seconds
 
 
-def best_of(fn) -> float:
-    best = float("inf")
-    for _ in range(5):
-        fn()
-        started = time.perf_counter()
-        for _ in range(50):
-            fn()
-        best = min(best, (time.perf_counter() - started) / 50)
-    return best
+def per_call(fn) -> float:
+    """Seconds per call: the best of 5 runs of 50 calls."""
+    return best_seconds(lambda: [fn() for _ in range(50)]) / 50
 
 
 def main() -> None:
@@ -39,8 +33,8 @@ def main() -> None:
         for rows in args.rows:
             x = torch.randn(rows, args.vocab, generator=generator)
             assert torch.equal(greedy(x), x.argmax(dim=-1))
-            theirs = best_of(lambda x=x: x.argmax(dim=-1))
-            ours = best_of(lambda x=x: greedy(x))
+            theirs = per_call(lambda x=x: x.argmax(dim=-1))
+            ours = per_call(lambda x=x: greedy(x))
             print(f"{rows} rows x {args.vocab}: torch {theirs * 1e6:.0f} us, compiled "
                   f"{ours * 1e6:.0f} us ({theirs / ours:.1f}x)", flush=True)
 

@@ -13,24 +13,15 @@ counts the scores and weighted sums a causal chunk needs (2 x n x n x heads x he
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.attention import prefill_native
+from tokenmill.attention.paged import PrefillChunk
 from tokenmill.attention.prefill_native import native_prefill
 from tokenmill.bench.ceilings import machine_ceilings
-
-
-def best_of(fn, rounds: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
+from tokenmill.layers.timing import best_seconds
 
 
 def main() -> None:
@@ -83,10 +74,11 @@ def measure(kernel, args: argparse.Namespace, count: int, n: int,
             cache[table] = padded.view(per_chunk, block_size, args.kv_heads, args.head_dim)
     out = torch.empty(rows, args.heads, args.head_dim)
     starts = [i * n for i in range(count)]
+    batch = prefill_native.prepare([PrefillChunk(start, start + n, 0, table)
+                                    for start, table in zip(starts, tables, strict=True)], [])
 
     def native():
-        prefill_native.run(kernel, q, caches[0], caches[1], out, tables, [0] * count,
-                           starts, [n] * count, 0.125)
+        prefill_native.run(kernel, q, caches[0], caches[1], out, batch, 0.125)
 
     def sdpa():
         for start in starts:
@@ -102,7 +94,7 @@ def measure(kernel, args: argparse.Namespace, count: int, n: int,
     times = {native: float("inf"), sdpa: float("inf")}
     for _ in range(2):  # alternate the two
         for fn in times:
-            times[fn] = min(times[fn], best_of(fn, args.rounds))
+            times[fn] = min(times[fn], best_seconds(fn, args.rounds))
     return times[native], times[sdpa]
 
 

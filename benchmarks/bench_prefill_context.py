@@ -29,18 +29,9 @@ from bench_core import MODEL_DIR, build_model  # noqa: E402
 import tokenmill.attention.paged as paged  # noqa: E402
 from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.bench.ceilings import machine_ceilings  # noqa: E402
+from tokenmill.layers.timing import best_seconds  # noqa: E402
 
 FORMS = {"split": True, "mask": False}
-
-
-def best_of(fn, rounds: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(rounds):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return best
 
 
 def per_layer(args: argparse.Namespace) -> None:
@@ -59,7 +50,7 @@ def per_layer(args: argparse.Namespace) -> None:
             for name, split in FORMS.items():
                 call = functools.partial(paged.context_attention, q, keys, values, context,
                                          0.125, split=split)
-                times[name] = min(times[name], best_of(call, args.rounds))
+                times[name] = min(times[name], best_seconds(call, args.rounds))
         split, mask = times["split"], times["mask"]
         print(f"{n:<5} {context:<7} | {split * 1e3:8.1f} ({flops / split / 1e9:4.0f})    | "
               f"{mask * 1e3:8.1f} ({flops / mask / 1e9:4.0f})   | {mask / split:.2f}x", flush=True)

@@ -18,6 +18,7 @@ masked score too (no causal skipping): the split measured 1.1-1.5x faster per la
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +64,9 @@ class PagedMetadata:
     # itself), so the in-place kernel can take each token as a row of its own.
     decode_token_tables: torch.Tensor | None = None
     decode_token_lengths: torch.Tensor | None = None
+    # The paged-native backend's prefill chunks for its kernel, prepared once per step
+    # (attention/prefill_native.py PrefillBatch); None: every chunk takes _prefill.
+    native_prefill: Any = None
 
 
 class PagedAttention(AttentionBackend):
@@ -140,14 +144,14 @@ class PagedAttention(AttentionBackend):
         if num_decode:
             out[:num_decode] = self._decode(q[:num_decode], kv_cache, metadata, scale,
                                             layer_index)
-        self._prefill_chunks(q, k, v, metadata.prefills, kv_cache, scale, layer_index, out)
+        self._prefill_chunks(q, k, v, metadata, kv_cache, scale, layer_index, out)
         return out
 
     def _prefill_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        chunks: list[PrefillChunk], kv_cache: KVCache, scale: float,
+                        metadata: PagedMetadata, kv_cache: KVCache, scale: float,
                         layer_index: int, out: torch.Tensor) -> None:
-        """Each chunk's attention output into its rows of out."""
-        for chunk in chunks:
+        """Each prefill chunk's attention output into its rows of out."""
+        for chunk in metadata.prefills:
             out[chunk.start:chunk.end] = self._prefill(q, k, v, chunk, kv_cache, scale,
                                                        layer_index)
 

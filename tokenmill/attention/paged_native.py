@@ -21,13 +21,15 @@ another order than SDPA's: outputs agree to float32 rounding, not bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from pathlib import Path
 
 import torch
 
 from tokenmill.attention import prefill_native
-from tokenmill.attention.paged import PagedAttention, PagedMetadata, PrefillChunk
+from tokenmill.attention.base import BatchLayout
+from tokenmill.attention.paged import PagedAttention, PagedMetadata
 from tokenmill.attention.prefill_native import native_prefill
 from tokenmill.kv import KVCache
 from tokenmill.layers.native import build_extension
@@ -46,7 +48,8 @@ class PagedNativeAttention(PagedAttention):
     # the sparse ones do, routes its decode rows through _decode instead).
     fused_decode = True
     # Longest prefill sequence (context + chunk) the native prefill kernel takes
-    # (measured in allocate_state; 0 until then: the paged path).
+    # (measured in allocate_state, where the cache is a float32 one on the CPU and the
+    # kernel builds; 0 otherwise: the paged path).
     prefill_limit = 0
     # Chunks behind a cached context through that kernel too (a sparse backend, which
     # chooses their context keys itself, keeps them on its own path).
@@ -76,23 +79,33 @@ class PagedNativeAttention(PagedAttention):
                                        kv_cache.data[0], kv_cache.data[1], tables, lengths,
                                        scale)
 
-    def _prefill_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        chunks: list[PrefillChunk], kv_cache: KVCache, scale: float,
-                        layer_index: int, out: torch.Tensor) -> None:
-        kernel = native_prefill() if q.device.type == "cpu" else None
-        usable = (kernel is not None and not kv_cache.quantized and q.dtype == torch.float32
-                  and q.shape[-1] % kernel.lanes() == 0)
-        native, rest = [], []
-        for chunk in chunks:
-            takes = (usable and chunk.seq_len <= self.prefill_limit
+    def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
+        metadata = super().build_metadata(layout)
+        if not self.prefill_limit:
+            return metadata
+        taken, rest = [], []
+        for chunk in metadata.prefills:
+            takes = (chunk.seq_len <= self.prefill_limit
                      and (chunk.context_len == 0 or self.dense_context_prefill))
-            (native if takes else rest).append(chunk)
-        if native:  # their K/V were written to the cache when the layer's step began
-            prefill_native.run(kernel, _heads_contiguous(q), kv_cache.data[0],
-                               kv_cache.data[1], out, [c.block_table for c in native],
-                               [c.context_len for c in native], [c.start for c in native],
-                               [c.end - c.start for c in native], scale)
-        super()._prefill_chunks(q, k, v, rest, kv_cache, scale, layer_index, out)
+            (taken if takes else rest).append(chunk)
+        if not taken:
+            return metadata
+        return dataclasses.replace(metadata,
+                                   native_prefill=prefill_native.prepare(taken, rest))
+
+    def _prefill_chunks(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        metadata: PagedMetadata, kv_cache: KVCache, scale: float,
+                        layer_index: int, out: torch.Tensor) -> None:
+        batch = metadata.native_prefill
+        if batch is None:
+            return super()._prefill_chunks(q, k, v, metadata, kv_cache, scale, layer_index,
+                                           out)
+        # The chunks' K/V were written to the cache when the layer's step began.
+        prefill_native.run(native_prefill(), _heads_contiguous(q), kv_cache.data[0],
+                           kv_cache.data[1], out, batch, scale)
+        for chunk in batch.rest:
+            out[chunk.start:chunk.end] = self._prefill(q, k, v, chunk, kv_cache, scale,
+                                                       layer_index)
 
     def _decode(self, q: torch.Tensor, kv_cache: KVCache, metadata: PagedMetadata,
                 scale: float, layer_index: int) -> torch.Tensor:

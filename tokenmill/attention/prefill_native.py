@@ -24,11 +24,13 @@ import functools
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from tokenmill.attention.paged import PrefillChunk
 from tokenmill.layers.native import build_extension, build_key
 from tokenmill.layers.product_table import host_key
 from tokenmill.layers.timing import CACHE
@@ -50,22 +52,37 @@ def native_prefill():
     return build_extension("prefill_causal", SOURCE, FLAGS)
 
 
+@dataclass(frozen=True)
+class PrefillBatch:
+    """A step's chunks for the kernel, prepared once per step (not per layer): their
+    block tables padded to one width, and each one's context, first row and length;
+    `rest` the step's other chunks (the paged path's)."""
+
+    tables: torch.Tensor  # [C, W] int64
+    contexts: torch.Tensor  # [C] int64
+    starts: torch.Tensor
+    lengths: torch.Tensor
+    rest: list[PrefillChunk]
+
+
+def prepare(chunks: list[PrefillChunk], rest: list[PrefillChunk]) -> PrefillBatch:
+    width = max(len(chunk.block_table) for chunk in chunks)
+    tables = torch.zeros(len(chunks), width, dtype=torch.int64)
+    for row, chunk in enumerate(chunks):
+        tables[row, :len(chunk.block_table)] = chunk.block_table
+    columns = [[c.context_len for c in chunks], [c.start for c in chunks],
+               [c.end - c.start for c in chunks]]
+    return PrefillBatch(tables, *(torch.tensor(x, dtype=torch.int64) for x in columns),
+                        rest)
+
+
 def run(kernel, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        out: torch.Tensor, tables: list[torch.Tensor], contexts: list[int],
-        starts: list[int], lengths: list[int], scale: float) -> None:
-    """Chunk i's attention (query rows starts[i] .. + lengths[i] of q [T, heads, D],
-    each row's heads contiguous; positions contexts[i] onwards; keys and values in the
-    caches [blocks, block_size, KVH, D] through block table tables[i]) into the same
-    rows of out (contiguous)."""
-    width = max(len(table) for table in tables)
-    padded = torch.zeros(len(tables), width, dtype=torch.int64)
-    for row, table in enumerate(tables):
-        padded[row, :len(table)] = table
-    kernel.causal_prefill(q, key_cache, value_cache, out, padded,
-                          torch.tensor(contexts, dtype=torch.int64),
-                          torch.tensor(starts, dtype=torch.int64),
-                          torch.tensor(lengths, dtype=torch.int64), scale, BLOCK_POSITIONS,
-                          KEY_BLOCK)
+        out: torch.Tensor, batch: PrefillBatch, scale: float) -> None:
+    """Each chunk's attention (its query rows of q [T, heads, D], each row's heads
+    contiguous; keys and values in the caches [blocks, block_size, KVH, D] through its
+    block table) into the same rows of out (contiguous)."""
+    kernel.causal_prefill(q, key_cache, value_cache, out, batch.tables, batch.contexts,
+                          batch.starts, batch.lengths, scale, BLOCK_POSITIONS, KEY_BLOCK)
 
 
 def choose_limit(table: dict[int, tuple[float, float]]) -> int:
@@ -108,11 +125,10 @@ def time_chunk(kernel, length: int, heads: int, kv_heads: int, head_dim: int,
     caches = [torch.zeros(blocks * block_size, kv_heads, head_dim) for _ in range(2)]
     caches[0][:length], caches[1][:length] = k, v
     key_cache, value_cache = (c.view(blocks, block_size, kv_heads, head_dim) for c in caches)
-    table = [torch.arange(blocks)]
+    batch = prepare([PrefillChunk(0, length, 0, torch.arange(blocks))], [])
     out = torch.empty(length, heads, head_dim)
     scale = head_dim ** -0.5
-    calls = (lambda: run(kernel, q, key_cache, value_cache, out, table, [0], [0], [length],
-                         scale),
+    calls = (lambda: run(kernel, q, key_cache, value_cache, out, batch, scale),
              lambda: F.scaled_dot_product_attention(
                  *(x.transpose(0, 1)[None] for x in (q, k, v)), is_causal=True,
                  scale=scale, enable_gqa=True))
