@@ -83,6 +83,11 @@ def test_score_reads_the_first_line_of_the_completion():
     assert score(item, f" {item.answer}  # yes")
     assert not score(item, f"\n{item.answer}")
     assert not score(item, "12345" if item.answer != "12345" else "54321")
+    # The answer must end where the line's expression ends.
+    assert not score(item, f" {item.answer}9")
+    assert not score(item, f" {item.answer}.5")
+    assert not score(item, f" {item.answer} + 1")
+    assert score(item, f" {item.answer}   ")
 
 
 def test_bad_requests_name_what_is_wrong():

@@ -141,8 +141,8 @@ def render_longctx_card(name: str, log: dict, config: dict, weights: int) -> str
         lines += [
             "",
             "Task accuracy, dense attention through tokenmill, greedy, held-out items (files "
-            "never trained on, seeds 0 ..), the completion's first line must start with the "
-            "answer:",
+            "never trained on, seeds 0 ..), the completion's first line must be the answer, "
+            "with nothing after it but spaces or a comment:",
             "",
             "| task | " + " | ".join(f"{n} tokens" for n in lengths) + " |",
             "|" + " --- |" * (len(lengths) + 1),

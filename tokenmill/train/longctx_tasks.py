@@ -44,9 +44,14 @@ class LongContextItem:
 
 
 def score(item: LongContextItem, completion: str) -> bool:
-    """Whether the completion's first line starts with the answer (leading spaces
-    aside)."""
-    return completion.lstrip(" ").split("\n", 1)[0].startswith(item.answer)
+    """Whether the completion's first line is the answer (leading spaces aside), with
+    nothing after it on that line but spaces or a comment: `41021` does not pass as
+    `410219`, nor `x` as `x.upper()`."""
+    line = completion.lstrip(" ").split("\n", 1)[0]
+    if not line.startswith(item.answer):
+        return False
+    rest = line[len(item.answer):].strip()
+    return not rest or rest.startswith("#")
 
 
 def _name(rng: random.Random, taken: set[str]) -> str:
