@@ -23,12 +23,13 @@ run, interleaved per length).
 
     python benchmarks/bench_sparse_tasks.py [--model models/pycoder-long]
         [--lengths 2048,4096,8192] [--per-kind 10] [--methods dense,static-topk@512,...]
-        [--speed] [--plot docs/bench_sparse_tasks.png]
+        [--speed] [--by-depth] [--check-transformers N] [--plot docs/bench_sparse_tasks.png]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
@@ -88,17 +89,20 @@ def run_tasks(llm: LLM, texts: list[str], kinds: list[str], lengths: list[int],
         for length in lengths:
             items = make_items(kind, per_kind, 0, texts, length,
                                lambda text: len(llm.engine.encode(text)))
-            right, active = 0, {}
+            right, active, scored = 0, {}, []
             for item in items:
                 before = counts(llm)
                 output = llm.generate([item.prompt], params)[0]
-                right += score(item, output.outputs[0].text)
+                correct = score(item, output.outputs[0].text)
+                right += correct
+                scored.append((item, output.outputs[0].text, correct))
                 for head_kind, (keys, queries) in counts(llm).items():
                     old = before.get(head_kind, [0, 0])
                     if queries > old[1]:
                         active.setdefault(head_kind, []).append(
                             (keys - old[0]) / (queries - old[1]))
-            results[(kind, length)] = {"accuracy": right / len(items), "active": active}
+            results[(kind, length)] = {"accuracy": right / len(items), "active": active,
+                                       "items": scored}
             print(f"  {kind} @ {length}: {right}/{len(items)}", file=sys.stderr, flush=True)
     return results
 
@@ -148,6 +152,13 @@ def main() -> int:
     parser.add_argument("--speed", action="store_true")
     parser.add_argument("--decode-steps", type=int, default=16)
     parser.add_argument("--no-tasks", action="store_true")
+    parser.add_argument("--by-depth", action="store_true",
+                        help="also print accuracy by where the asked fact sits (thirds of "
+                             "the context)")
+    parser.add_argument("--check-transformers", type=int, default=0, metavar="N",
+                        help="greedy-complete up to N of the first method's wrong items "
+                             "with transformers too: are the misses the model's or the "
+                             "engine's?")
     parser.add_argument("--plot", type=Path, default=None)
     args = parser.parse_args()
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -162,6 +173,10 @@ def main() -> int:
             table[method] = run_tasks(llm, texts, kinds, lengths, args.per_kind)
             llm.engine.shutdown()
         print_tasks(table, methods, kinds, lengths, args)
+        if args.by_depth:
+            print_by_depth(table, methods, kinds)
+        if args.check_transformers:
+            check_transformers(args.model, table[methods[0]], args.check_transformers)
     if args.speed:
         print_speed(args, methods, lengths, texts)
     if args.plot and table:
@@ -192,6 +207,47 @@ def print_tasks(table, methods, kinds, lengths, args) -> None:
             for kind, length, values in rows:
                 print(f"  {kind} @ {length}: {min(values):.0f} / "
                       f"{statistics.median(values):.0f} / {max(values):.0f}")
+
+
+def print_by_depth(table, methods, kinds) -> None:
+    """Accuracy per method and kind (all lengths pooled) by the asked fact's depth."""
+    edges = (0.0, 1 / 3, 2 / 3, 1.01)
+    print("\nBy the asked fact's depth in the context (items right / items; all lengths)")
+    print("| method | kind | depth < 1/3 | 1/3-2/3 | > 2/3 |\n| --- | --- | --- | --- | --- |")
+    for method in methods:
+        for kind in kinds:
+            scored = [entry for (k, _), result in table[method].items() if k == kind
+                      for entry in result["items"]]
+            cells = []
+            for low, high in itertools.pairwise(edges):
+                inside = [ok for item, _, ok in scored if low <= item.depths[0] < high]
+                cells.append(f"{sum(inside)} / {len(inside)}")
+            print(f"| {method} | {kind} | " + " | ".join(cells) + " |")
+
+
+def check_transformers(model: str, results: dict, limit: int) -> None:
+    """transformers' greedy completion of up to `limit` wrong items against the
+    engine's: the same first line means the miss is the model's."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    wrong = [(item, text) for result in results.values()
+             for item, text, ok in result["items"] if not ok][:limit]
+    same = 0
+    print("\nWrong items, transformers' completion beside the engine's (first line)")
+    for item, text in wrong:
+        ids = tokenizer(item.prompt)["input_ids"]
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([ids]), do_sample=False, pad_token_id=0,
+                              max_new_tokens=EVAL_MAX_TOKENS)[0, len(ids):]
+        theirs = tokenizer.decode(out).split("\n", 1)[0]
+        ours = text.split("\n", 1)[0]
+        same += theirs == ours
+        print(f"  {item.kind}, depth {item.depths[0]:.2f}, answer {item.answer!r}: "
+              f"engine {ours!r}, transformers {theirs!r}")
+    print(f"{same} / {len(wrong)} the same")
 
 
 def print_speed(args, methods, lengths, texts) -> None:
