@@ -8,6 +8,7 @@ settings, one build per argument (e.g. "TM_CHUNK=128 TM_PANEL=64").
 
     python benchmarks/bench_native_rows.py [--rows 256,2048] [--panels 128,100000]
     python benchmarks/bench_native_rows.py --builds TM_CHUNK=256 TM_CHUNK=128
+    python benchmarks/bench_native_rows.py --rows 1,8 --copies 8    # weights from memory
 """
 
 from __future__ import annotations
@@ -34,6 +35,15 @@ def best_rate(fn, flops: float) -> float:
     return flops / best / 1e9
 
 
+def in_turn(kernel, x, weights, *rest) -> None:
+    for weight in weights:
+        kernel(x, weight, *rest)
+
+
+def onednn_call(x, weight, _unused) -> None:
+    cpu_blas.onednn_linear(x, weight)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="32,256,2048")
@@ -41,6 +51,9 @@ def main() -> None:
     parser.add_argument("--builds", nargs="+", metavar="MACRO=VALUE ...",
                         help="native builds by their -D settings (replaces --panels)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--copies", type=int, default=1,
+                        help="weights per shape, called in turn (8: beyond the caches, "
+                             "as a decode step reads them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     builds = args.builds or [f"TM_PANEL={int(panel)}" for panel in args.panels.split(",")]
@@ -50,16 +63,17 @@ def main() -> None:
     print("out x in, rows: " + ", ".join(f"native {b}" for b in kernels)
           + ", oneDNN (GFLOP/s)")
     for out_features, in_features in SHAPES:
-        weight = torch.randn(out_features, in_features)
-        packed = native_linear.pack(weight)
-        onednn = cpu_blas.onednn_weight(weight, False) if cpu_blas.onednn_available() else None
+        weights = [torch.randn(out_features, in_features) for _ in range(args.copies)]
+        packed = [native_linear.pack(weight) for weight in weights]
+        onednn = ([cpu_blas.onednn_weight(weight, False) for weight in weights]
+                  if cpu_blas.onednn_available() else None)
         for rows in map(int, args.rows.split(",")):
             x = torch.randn(rows, in_features)
-            flops = 2.0 * rows * out_features * in_features
-            calls = [functools.partial(k.f32_linear, x, packed, None, out_features)
+            flops = 2.0 * rows * out_features * in_features * args.copies
+            calls = [functools.partial(in_turn, k.f32_linear, x, packed, None, out_features)
                      for k in kernels.values()]
             if onednn is not None:
-                calls.append(functools.partial(cpu_blas.onednn_linear, x, onednn))
+                calls.append(functools.partial(in_turn, onednn_call, x, onednn, None))
             rates = [best_rate(call, flops) for call in calls]
             print(f"{out_features} x {in_features}, {rows}: "
                   + ", ".join(f"{r:.1f}" for r in rates), flush=True)
