@@ -21,6 +21,7 @@ from tokenmill.train.longctx import (
     LongPhase,
     RowMaker,
     answer_text,
+    task_accuracy,
     train_long_context,
     weighted_loss,
 )
@@ -191,3 +192,32 @@ def test_the_task_knobs_are_checked_when_the_command_line_is_read(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(base + [flag, value])
         assert message in capsys.readouterr().err
+
+
+
+def test_task_accuracy_scores_each_item_by_its_own_completion(tiny_held_out_texts):
+    """The held-out scoring behind the model card: each item's completion is scored
+    against that item (strictly: an extra digit is wrong), per kind and length."""
+    from types import SimpleNamespace
+
+    from tokenmill.train.longctx_tasks import make_items
+
+    def count(text: str) -> int:
+        return len(text.split())
+
+    answers = {}
+    for kind in ("needle", "multi-key"):
+        for item in make_items(kind, 4, 0, tiny_held_out_texts, 120, count):
+            answers[item.prompt] = item.answer
+
+    def generate(prompts, params):
+        assert params.temperature == 0
+        # Items 0 and 2 of a batch answered right, 1 with a digit too many, 3 wrong.
+        forms = ("{} {}\n", "{} {}7\n", "{} {}  # ok", "{} 0\n")
+        return [SimpleNamespace(outputs=[SimpleNamespace(
+                    text=forms[i % 4].format("", answers[prompt]))])
+                for i, prompt in enumerate(prompts)]
+
+    llm = SimpleNamespace(engine=SimpleNamespace(encode=str.split), generate=generate)
+    got = task_accuracy(llm, tiny_held_out_texts, (120,), 4, kinds=("needle", "multi-key"))
+    assert got == {"needle": {"120": 0.5}, "multi-key": {"120": 0.5}}
