@@ -59,7 +59,7 @@ def _build_parser() -> argparse.ArgumentParser:
     card = commands.add_parser("card", help="measure a trained model and write its README.md")
     card.add_argument("--model", type=Path, required=True, help="trained model directory")
     card.add_argument("--corpus-root", type=Path, default=None, help="default: the stdlib")
-    card.add_argument("--rescore-per-kind", type=int, default=0,
+    card.add_argument("--rescore-per-kind", type=_count, default=0,
                       help="long-context models: score this many held-out task items per "
                            "kind and length again (the current scorer) before writing")
 
