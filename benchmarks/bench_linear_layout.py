@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+
+from tokenmill.layers.timing import best_seconds
 
 SHAPES = {
     "qwen0.5b": ({"qkv_proj": (1152, 896), "o_proj": (896, 896), "gate_up_proj": (9728, 896),
@@ -23,16 +24,6 @@ SHAPES = {
     "pycoder": ({"qkv_proj": (384, 256), "o_proj": (256, 256), "gate_up_proj": (1536, 256),
                  "down_proj": (256, 768), "lm_head": (8192, 256)}, (1, 2, 5, 8)),
 }
-
-
-def best_time(fn, repeats: int = 10) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main() -> None:
@@ -55,8 +46,8 @@ def main() -> None:
             x = torch.randn(rows, in_features)
             linear, matmul = [], []
             for _ in range(args.rounds):
-                linear.append(best_time(lambda x=x, w=weight: F.linear(x, w)))
-                matmul.append(best_time(lambda x=x, w=weight_t: x @ w))
+                linear.append(best_seconds(lambda x=x, w=weight: F.linear(x, w), 10))
+                matmul.append(best_seconds(lambda x=x, w=weight_t: x @ w, 10))
             a, b = statistics.median(linear) * 1e3, statistics.median(matmul) * 1e3
             print(f"| {name} ({out_features}x{in_features}) | {rows} | {a:.3f} | {b:.3f} "
                   f"| {a / b:.2f}x |")

@@ -15,24 +15,18 @@ from __future__ import annotations
 
 import argparse
 import functools
-import time
 
 import torch
 
 from tokenmill.layers import cpu_blas, native_linear
 from tokenmill.layers.native import build_extension
+from tokenmill.layers.timing import best_seconds
 
 SHAPES = ((9728, 896), (896, 4864), (1152, 896))  # (out, in): gate/up, down, QKV
 
 
 def best_rate(fn, flops: float) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(max(6, int(4e10 / flops))):
-        started = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - started)
-    return flops / best / 1e9
+    return flops / best_seconds(fn, max(6, int(4e10 / flops))) / 1e9
 
 
 def in_turn(kernel, x, weights, *rest) -> None:
