@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.server.conftest import API_KEY, MODEL_NAME, start_server
 from tokenmill.bench import peers as peers_module
@@ -115,8 +116,15 @@ def test_absent_peers_are_skipped_with_a_message(tmp_path, monkeypatch):
     assert [peer_name(s) for s in ("llamacpp:q8_0", "llamacpp:f32", "vllm")] == \
         [q8.name, "llamacpp", "vllm"]  # what compare matches to report a peer as skipped
     # vLLM runs with its documented CPU settings: workers bound one per core.
-    _, env = VllmPeer().server_command("m", 8000, 8, threads=2, max_model_len=1024)
+    vllm = VllmPeer()
+    _, env = vllm.server_command("m", 8000, 8, threads=2, max_model_len=1024)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and env["OMP_NUM_THREADS"] == "2"
+    # The report names each peer's settings: those of the server it last started.
+    assert vllm.describe() == "vllm"
+    vllm._command = vllm.server_command("m", 8000, 8, threads=2, max_model_len=1024)
+    assert vllm.describe().startswith("vllm, run as `VLLM_CPU_KVCACHE_SPACE=4 ")
+    assert "VLLM_CPU_OMP_THREADS_BIND=0-1" in vllm.describe()
+    assert "--dtype float32 --max-model-len 1024" in vllm.describe()
     with pytest.raises(ValueError, match="GGUF type"):
         available_peers(["llamacpp:q3"])
     with pytest.raises(ValueError, match="unknown peer"):
@@ -135,6 +143,22 @@ def test_transformers_peer_times_every_token_of_every_request(llama_dir):
     # the second batch waited for the first: its TTFT includes that queueing
     assert run.records[2].ttft > run.records[0].ttft
     assert all(r.success and r.e2e >= r.ttft for r in run.records)
+
+
+def test_transformers_peer_runs_on_the_engines_device_and_dtype(llama_dir):
+    from tokenmill.bench.peers import TransformersPeer, place_in_process_peers
+    from tokenmill.bench.workload import WorkloadSpec, build_workload
+
+    llama_cpp, peer = LlamaCppPeer(), TransformersPeer()
+    place_in_process_peers([llama_cpp, peer], "auto", "auto")
+    assert (peer.device, peer.dtype) == ("cpu", "float32")  # auto, as the engine resolves
+    place_in_process_peers([llama_cpp, peer], "cpu", "bfloat16")
+    assert (peer.device, peer.dtype) == ("cpu", "bfloat16")
+    assert ", cpu, bfloat16, " in peer.describe()
+    workload = build_workload(WorkloadSpec(num_requests=2, input_len=6, output_len=3), 384)
+    run = peer.run(str(llama_dir), workload, None, threads=1, progress=False)
+    assert next(peer._loaded[1].parameters()).dtype == torch.bfloat16
+    assert [r.output_tokens for r in run.records] == [3, 3]
 
 
 def test_a_peer_that_fails_to_start_is_skipped_not_fatal(llama_dir):

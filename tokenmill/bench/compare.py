@@ -27,7 +27,7 @@ import torch
 
 from tokenmill.bench.driver import run_engine_workload, warm_up
 from tokenmill.bench.metrics import summarize
-from tokenmill.bench.peers import available_peers, peer_name
+from tokenmill.bench.peers import available_peers, peer_name, place_in_process_peers
 from tokenmill.bench.report import SystemResult, write_report
 from tokenmill.bench.workload import WorkloadRequest
 from tokenmill.config import EngineConfig
@@ -151,6 +151,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
                   if args.concurrency else [None])
         peer_names = [p for p in (args.peers or "").split(",") if p]
         peers = available_peers(peer_names)
+        place_in_process_peers(peers, base.model.device, base.model.dtype)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -181,6 +182,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
                     f"output {spec.output_len}, {spec.length_dist} lengths, seed {spec.seed} "
                     "(+ round number for synthetic prompts)",
         "configs": "; ".join(args.configs), "repeats": str(args.repeats)}
+    header.update({f"peer {peer.name}": peer.describe() for peer in peers})
     report = write_report(results, args.out_dir, configs[0][0], header, skipped)
     print(report.read_text())
     print(f"wrote {report} and plots in {args.out_dir}")

@@ -10,7 +10,6 @@ as tokenmill's own server. A peer that is not installed is skipped with a messag
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import shutil
@@ -25,7 +24,7 @@ import httpx
 
 from tokenmill.bench.driver import EngineRun
 from tokenmill.bench.metrics import RequestRecord
-from tokenmill.bench.peer_install import PEERS_DIR, install_peers
+from tokenmill.bench.peer_install import PEERS_DIR
 from tokenmill.bench.workload import WorkloadRequest
 from tokenmill.layers.isa import llamacpp_build_name
 
@@ -58,6 +57,10 @@ class Peer(ABC):
     @abstractmethod
     def detect(self) -> str | None:
         """A description of the installed peer (version, path), or None if absent."""
+
+    def describe(self) -> str:
+        """How the peer ran, for the report: version and settings (default: detect())."""
+        return self.detect() or self.name
 
     def missing_message(self) -> str:
         return (f"peer {self.name!r} is not installed; `tokenmill bench peers install "
@@ -92,18 +95,26 @@ class TransformersPeer(Peer):
     def __init__(self, batch_size: int = 8) -> None:
         self.batch_size = batch_size
         self._loaded: tuple[str, object, object] | None = None
+        # Where and in what dtype it runs: `bench compare` sets the engines' own
+        # (a GPU run compares on the GPU, in bfloat16 unless told otherwise).
+        self.device, self.dtype = "cpu", "float32"
 
     def detect(self) -> str | None:
         import transformers
 
         return f"transformers {transformers.__version__} (in-process)"
 
+    def describe(self) -> str:
+        return (f"{self.detect()}, {self.device}, {self.dtype}, `generate` on left-padded "
+                f"static batches of the concurrency (else {self.batch_size})")
+
     def _load(self, model_dir: str):
         if self._loaded is None or self._loaded[0] != model_dir:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=getattr(torch, self.dtype)).to(self.device).eval()
             self._loaded = (model_dir, model, AutoTokenizer.from_pretrained(model_dir))
         return self._loaded[1], self._loaded[2]
 
@@ -133,9 +144,10 @@ class TransformersPeer(Peer):
                           disable=not progress, leave=False):
             batch = list(range(first, min(first + batch_size, len(workload))))
             width = max(len(prompts[i]) for i in batch)
-            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch])
+            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in batch],
+                               device=self.device)
             mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i])
-                                 for i in batch])
+                                 for i in batch], device=self.device)
             new_tokens = max(workload[i].max_tokens for i in batch)
             clock = StepClock()
             with torch.no_grad():
@@ -162,6 +174,7 @@ class ServerPeer(Peer):
     start_timeout_s = 120.0
     served_name: str | None = None  # the model name requests must carry, if any
     _process: subprocess.Popen | None = None
+    _command: tuple[list[str], dict[str, str]] | None = None  # the last server started
     _log = None
     _url = ""
 
@@ -176,6 +189,7 @@ class ServerPeer(Peer):
             return
         port = free_port()
         cmd, env = self.server_command(model_dir, port, max_concurrency, threads, max_model_len)
+        self._command = cmd, env
         PEERS_DIR.mkdir(parents=True, exist_ok=True)
         self._log = open(PEERS_DIR / f"{self.name}-server.log", "wb")  # noqa: SIM115
         self._process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
@@ -186,6 +200,13 @@ class ServerPeer(Peer):
         except BaseException:
             self.close()
             raise
+
+    def describe(self) -> str:
+        if self._command is None:
+            return super().describe()
+        cmd, env = self._command
+        settings = " ".join([f"{k}={v}" for k, v in env.items()] + [Path(cmd[0]).name] + cmd[1:])
+        return f"{super().describe()}, run as `{settings}`"
 
     def close(self) -> None:
         process, self._process = self._process, None
@@ -349,26 +370,13 @@ def available_peers(names: Sequence[str], log=print) -> list[Peer]:
     return peers
 
 
-# ---- command line ------------------------------------------------------------------------
-def cmd_peers(args: argparse.Namespace) -> int:
-    if args.action == "install":
+def place_in_process_peers(peers: Sequence[Peer], device: str, dtype: str) -> None:
+    """Run the in-process transformers peer on the engines' device and in their dtype
+    (`auto` resolves as the engine's loader does: bfloat16 on CUDA, float32 on the CPU)."""
+    from tokenmill.model.loader import dtype_name, resolve_device, resolve_dtype
 
-        return install_peers(args.peer or ["llamacpp", "vllm"], torch_wheel=args.torch_wheel,
-                             jobs=args.jobs)
-    for name in args.peer or list(PEERS):
-        found = PEERS[name]().detect()
-        print(f"{name}: {found or 'not installed'}")
-    return 0
-
-
-def add_peers_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=("list", "install"), nargs="?", default="list")
-    parser.add_argument("--peer", action="append", choices=sorted(PEERS), default=None,
-                        help="repeatable; default: all")
-    parser.add_argument("--torch-wheel", default=None,
-                        help="the local torch wheel to pin peers to (default: /opt/wheels)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2,
-                        help="parallel compile jobs for llama.cpp")
-    parser.add_argument("--log-level", default="warning")
-    parser.set_defaults(func=cmd_peers)
-
+    resolved = resolve_device(device)
+    for peer in peers:
+        if isinstance(peer, TransformersPeer):
+            peer.device = resolved.type
+            peer.dtype = dtype_name(resolve_dtype(dtype, resolved))
