@@ -44,8 +44,10 @@ def exact_float32():
 
 def _pair(model_dir, dtype: torch.dtype):
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(DEVICE).eval()
+    # A fixed pool: a quarter of the free GPU memory per engine would shrink with every
+    # test's engine still held.
     llm = LLM(str(model_dir), progress=False, device=DEVICE,
-              dtype=str(dtype).removeprefix("torch."))
+              dtype=str(dtype).removeprefix("torch."), kv_cache_memory=64 << 20)
     return hf, llm
 
 
