@@ -159,6 +159,9 @@ def test_transformers_peer_runs_on_the_engines_device_and_dtype(llama_dir):
     run = peer.run(str(llama_dir), workload, None, threads=1, progress=False)
     assert next(peer._loaded[1].parameters()).dtype == torch.bfloat16
     assert [r.output_tokens for r in run.records] == [3, 3]
+    place_in_process_peers([peer], "cpu", "float32")  # placed again: not the cached model
+    peer.run(str(llama_dir), workload, None, threads=1, progress=False)
+    assert next(peer._loaded[1].parameters()).dtype == torch.float32
 
 
 def test_a_peer_that_fails_to_start_is_skipped_not_fatal(llama_dir):

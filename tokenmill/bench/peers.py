@@ -94,7 +94,7 @@ class TransformersPeer(Peer):
 
     def __init__(self, batch_size: int = 8) -> None:
         self.batch_size = batch_size
-        self._loaded: tuple[str, object, object] | None = None
+        self._loaded: tuple[tuple[str, str, str], object, object] | None = None
         # Where and in what dtype it runs: `bench compare` sets the engines' own
         # (a GPU run compares on the GPU, in bfloat16 unless told otherwise).
         self.device, self.dtype = "cpu", "float32"
@@ -109,13 +109,14 @@ class TransformersPeer(Peer):
                 f"static batches of the concurrency (else {self.batch_size})")
 
     def _load(self, model_dir: str):
-        if self._loaded is None or self._loaded[0] != model_dir:
+        key = (model_dir, self.device, self.dtype)  # placed again: loaded again
+        if self._loaded is None or self._loaded[0] != key:
             import torch
             from transformers import AutoModelForCausalLM, AutoTokenizer
 
             model = AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=getattr(torch, self.dtype)).to(self.device).eval()
-            self._loaded = (model_dir, model, AutoTokenizer.from_pretrained(model_dir))
+            self._loaded = (key, model, AutoTokenizer.from_pretrained(model_dir))
         return self._loaded[1], self._loaded[2]
 
     def run(self, model_dir: str, workload: Sequence[WorkloadRequest],
