@@ -10,9 +10,11 @@ the table is its own work:
 
     qkv_proj, o_proj, gate_up_proj, down_proj, lm_head   the products (GFLOP/s: 2 x rows
                                                           x in x out over their time)
+    gate_up_proj             includes the MLP's activation, silu(gate) * up: the layer
+                             computes both in one call (fused into the native kernel)
     attention                Attention.forward less its products: split, rope, q/k
                              norms, the KV cache write and the attention itself
-    silu * mul               GatedMLP less its products (and the row slicing)
+    mlp, other               GatedMLP less its products (the row slicing)
     norms, residual          the layers' RMSNorms and residual adds (DecoderLayer less
                              its attention and MLP)
     model, other             embedding, rope tables, the final norm, the rows to score
@@ -39,7 +41,7 @@ from tokenmill import SamplingParams  # noqa: E402
 from tokenmill.layers.linear import Linear  # noqa: E402
 
 PRODUCTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
-EXCLUSIVE = {"Attention": "attention", "GatedMLP": "silu * mul",
+EXCLUSIVE = {"Attention": "attention", "GatedMLP": "mlp, other",
              "RMSNorm": "norms, residual", "DecoderLayer": "norms, residual"}
 
 

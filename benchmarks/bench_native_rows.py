@@ -52,7 +52,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     builds = args.builds or [f"TM_PANEL={int(panel)}" for panel in args.panels.split(",")]
     kernels = {build: build_extension("f32_linear", native_linear.SOURCE,
-                                      tuple(f"-D{define}" for define in build.split()))
+                                      (*native_linear.FLAGS,
+                                       *(f"-D{define}" for define in build.split())))
                for build in builds}
     print("out x in, rows: " + ", ".join(f"native {b}" for b in kernels)
           + ", oneDNN (GFLOP/s)")

@@ -100,6 +100,50 @@ def test_native_kernel_at_odd_widths_equals_torch(rows, shape):
 
 
 @needs_native
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 33, 300])
+@pytest.mark.parametrize("in_features, intermediate", [(600, 48), (40, 32), (20, 16)])
+def test_fused_gate_up_activation_is_bit_identical_to_the_product_then_silu_mul(
+        rows, in_features, intermediate):
+    """Whole and partial groups of gate/up pairs, row tiles with remainders, more than one
+    column chunk and one panel of rows, with and without a bias, batched inputs."""
+    from tokenmill.layers.native import native_row_ops
+
+    torch.manual_seed(rows + intermediate)
+    weight = torch.randn(2 * intermediate, in_features) * 0.2
+    packed = native_linear.pack(weight)
+    x = torch.randn(rows, in_features) * 3  # sums far enough out to reach silu's tails
+    for b in (None, native_linear.padded_bias(torch.randn(2 * intermediate), packed)):
+        products = native_linear.linear(x, packed, b, 2 * intermediate)
+        expected = native_row_ops().silu_mul(products)
+        got = native_linear.linear_silu_mul(x, packed, b, 2 * intermediate)
+        assert got.shape == (rows, intermediate) and torch.equal(got, expected)
+        gate, up = products.chunk(2, dim=-1)
+        torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up)
+        batched = native_linear.linear_silu_mul(x.view(1, rows, -1), packed, b,
+                                                2 * intermediate)
+        assert torch.equal(batched, expected.view(1, rows, -1))
+
+
+@needs_native
+def test_native_fuses_the_activation_only_where_the_halves_are_whole_blocks():
+    x = torch.randn(5, 24)
+    for out_features, fused in ((200, False), (48, False), (32, True), (64, True)):
+        assert native_linear.fuses_silu_mul(out_features) is fused
+        reference = Linear(24, out_features)
+        torch.nn.init.normal_(reference.weight)
+        layer = method_layer(reference, "native")
+        gate, up = (x @ reference.weight.detach().t()).chunk(2, dim=-1)
+        with torch.no_grad():
+            torch.testing.assert_close(layer(x, silu_mul=True), torch.nn.functional.silu(gate) * up)
+        # With autograd on, the torch form runs (the packed kernel does not train).
+        torch.testing.assert_close(layer(x, silu_mul=True), torch.nn.functional.silu(gate) * up)
+    with pytest.raises(RuntimeError, match="gate \\| up"):
+        native_linear.linear_silu_mul(x, native_linear.pack(torch.randn(48, 24)), None, 48)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="columns"):
+        layer(torch.randn(2, 23), silu_mul=True)
+
+
+@needs_native
 def test_native_keeps_one_copy_checks_shapes_and_saves_the_weight():  # a tied head's too
     plain = Linear(40, 24)
     torch.nn.init.normal_(plain.weight)

@@ -119,7 +119,8 @@ def test_a_build_killed_mid_compile_does_not_hang_later_starts(tmp_path):
     flags = (*native.ROW_OPS_FLAGS, *isa.kernel_flags())
     elsewhere = tmp_path / "checkout" / "row_ops.cpp"
     elsewhere.parent.mkdir()
-    shutil.copy(native.ROW_OPS_SOURCE, elsewhere)
+    for original in (native.ROW_OPS_SOURCE, *native.headers(native.ROW_OPS_SOURCE)):
+        shutil.copy(original, elsewhere.parent / original.name)
     build_dir = native.CACHE / "kernels" / f"row_ops-{native.build_key(elsewhere, flags)}"
     library = next(build_dir.glob("*.so"))
     built_at = library.stat().st_mtime

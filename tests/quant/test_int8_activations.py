@@ -87,8 +87,8 @@ def test_model_generates_what_rounded_inputs_to_dequantized_weights_generate(
     reference = dequantized_reference(model_dir, engine)
     for name, layer in linear_layers(reference).items():
         if isinstance(layers[name].method, QuantizedLinearMethod):
-            layer.forward = (lambda x, apply=layer.forward:
-                             apply(kernels.quantize_activations(x)))
+            layer.forward = (lambda x, apply=layer.forward, **options:
+                             apply(kernels.quantize_activations(x), **options))
     expected = run_staggered(reference, PROMPTS, GREEDY, arrivals=[0, 1, 1, 4])
     assert tokens == expected
 

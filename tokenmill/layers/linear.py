@@ -56,7 +56,12 @@ class Linear(nn.Module):
         self.method = method
         method.create_weights(self)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        """x W^T + b; with `silu_mul` (a gated MLP's fused projection, outputs [gate | up])
+        silu(gate) * up of it, in one pass where the method fuses the activation into
+        its product. Either way through the module's call, so hooks see the layer."""
+        if silu_mul:
+            return self.method.apply_silu_mul(self, x)
         return self.method.apply(self, x)
 
     def load(self, name: str, tensor: torch.Tensor | BlockTensor | SavedQuantTensor,

@@ -9,6 +9,8 @@ copy, a quantized form) lives on the layer. Its life cycle:
     load_weight(layer, t, rows)  copy a checkpoint tensor [out_rows, in] into output rows
     finalize(layer)              after every tensor is in: pack, quantize, free copies
     apply(layer, x)              x [..., in] -> [..., out] (bias included)
+    apply_silu_mul(layer, x)     a gated MLP's [gate | up] layer and its activation:
+                                 silu(gate) * up, [..., out / 2] (a method may fuse them)
 
 Weight quantization, tensor-parallel shards and new CPU kernels are new methods
 registered in `LINEAR_METHODS`, not new branches here.
@@ -23,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.block_tensor import BlockTensor
 from tokenmill.layers.quantized_tensor import SavedQuantTensor
 
@@ -67,6 +70,10 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> x W^T + b, [..., out]."""
+
+    def apply_silu_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a layer whose outputs are [gate | up]: [..., out / 2]."""
+        return silu_and_mul(self.apply(layer, x))
 
     def embedding(self, layer: Linear, token_ids: torch.Tensor) -> torch.Tensor:
         """Rows of the [out, in] matrix: a tied LM head doubles as the token embedding."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
 
@@ -42,7 +41,7 @@ class Expert(nn.Module):
         return slice(0, size) if shard == "gate" else slice(size, 2 * size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x, silu_mul=True))
 
     def flat_weights(self) -> torch.Tensor:
         """Both projections' checkpoint-layout weights, flattened into one tensor."""

@@ -23,6 +23,10 @@ from tokenmill.layers.linear_method import Linear, PlainLinearMethod
 from tokenmill.layers.native import build_extension
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "f32_linear.cpp"
+# -fno-trapping-math: nothing reads the floating-point exception flags, and without it
+# GCC keeps the fused activation's range selects out of vectors under AVX2 (as in
+# row_ops.cpp); it changes no rounding.
+FLAGS = ("-fno-trapping-math",)
 LANES = 16
 
 
@@ -30,7 +34,7 @@ LANES = 16
 def library():
     """The compiled kernel (built once per CPU and torch version), or None where it
     cannot be built."""
-    return build_extension("f32_linear", SOURCE)
+    return build_extension("f32_linear", SOURCE, FLAGS)
 
 
 def available() -> bool:
@@ -78,6 +82,22 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return out.view(*x.shape[:-1], out_features)
 
 
+def fuses_silu_mul(out_features: int) -> bool:
+    """Whether the fused gate/up activation takes a [gate | up] layer this wide: both
+    halves whole blocks of 16 channels."""
+    return out_features % (2 * LANES) == 0
+
+
+def linear_silu_mul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                    out_features: int) -> torch.Tensor:
+    """silu(gate) * up of x [..., in] times a [gate | up] weight packed by `pack`:
+    [..., out_features / 2], bit-identical to `linear` followed by row_ops' silu_mul,
+    without the [..., out_features] products in memory (csrc/f32_linear.cpp)."""
+    flat = x.reshape(-1, x.shape[-1])
+    out = library().f32_linear_silu_mul(flat, packed, bias, out_features)
+    return out.view(*x.shape[:-1], out_features // 2)
+
+
 class NativeLinearMethod(PlainLinearMethod):
     """Loads into the checkpoint layout, then packs once for the kernel (inference only)."""
 
@@ -92,6 +112,11 @@ class NativeLinearMethod(PlainLinearMethod):
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(x, layer.native_weight, layer.native_bias, layer.out_features)
+
+    def apply_silu_mul(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() or not fuses_silu_mul(layer.out_features):
+            return super().apply_silu_mul(layer, x)
+        return linear_silu_mul(x, layer.native_weight, layer.native_bias, layer.out_features)
 
     def embedding(self, layer: Linear, token_ids: torch.Tensor) -> torch.Tensor:
         # Row r is lane r % 16 of block r // 16: [..., in] gathered from the packed form.

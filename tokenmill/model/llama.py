@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from tokenmill.attention.base import AttentionContext
-from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.embedding import VocabParallelEmbedding
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.norm import RMSNorm
@@ -106,7 +105,7 @@ class GatedMLP(nn.Module):
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x, silu_mul=True))
 
 
 class DecoderLayer(nn.Module):

@@ -9,7 +9,7 @@
 //             rounds as torch's add does, the norm as rms_norm above.
 //   silu_mul  silu(gate) * up for x = [gate | up] per row ([T, 2I] -> [T, I]): silu
 //             rounded to float32 (x / (1 + exp(-x)), the torch form), then the product.
-//             The exponential is computed here (Cody-Waite range reduction and the
+//             The exponential is computed in vec_math.h (Cody-Waite range reduction and the
 //             Cephes polynomial, within a few ulp of torch's), in a loop the compiler
 //             vectorizes: the C library's would be called once per element.
 //   rotate_   rotary embedding in place on [T, heads, D] (rows may be strided: Q and K
@@ -30,7 +30,11 @@
 #include <cstdint>
 #include <vector>
 
+#include "vec_math.h"
+
 namespace {
+
+using tokenmill::silu;
 
 inline void normalize_row(const float* row, const float* w, float* target, int64_t width,
                           float e) {
@@ -40,27 +44,6 @@ inline void normalize_row(const float* row, const float* w, float* target, int64
   const float inverse = 1.0f / std::sqrt(sum / static_cast<float>(width) + e);
 #pragma omp simd
   for (int64_t i = 0; i < width; ++i) target[i] = w[i] * (row[i] * inverse);
-}
-
-// e^x: x = n ln 2 + r with |r| <= ln 2 / 2, e^r by the polynomial, 2^n through the
-// exponent bits; 0 below -87.3 and infinity above 88.7, as the float32 exponential
-// gives. Written so the compiler vectorizes the loop around it (no floor, no memcpy:
-// neither vectorizes without -ffast-math, which rms_norm's rounding must not have).
-inline float exp_vectorizable(float x) {
-  const float clamped = std::min(88.0f, std::max(-87.0f, x));
-  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (clamped * 1.44269504088896341f + kRound) - kRound;
-  float r = clamped - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = (p * r * r + r + 1.0f) *
-                  __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
-  return x > 88.7f ? HUGE_VALF : (x < -87.3f ? 0.0f : y);
 }
 
 }  // namespace
@@ -130,8 +113,7 @@ torch::Tensor silu_mul(torch::Tensor x) {
       float* target = o + r * width;
 #pragma omp simd
       for (int64_t i = 0; i < width; ++i) {
-        const float silu = gate[i] / (1.0f + exp_vectorizable(-gate[i]));
-        target[i] = silu * up[i];
+        target[i] = silu(gate[i]) * up[i];
       }
     }
   });
