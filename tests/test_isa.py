@@ -75,10 +75,12 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     (torch, the dequantized weight in float64), and greedy tokens and log
     probabilities against transformers through the native products (AVX2 tiles), the
     in-place decode kernel and the sparse backends' list kernel (8-lane register fold),
-    the causal prefill kernel (8-lane tiles),
+    the causal prefill kernel (8-lane tiles), the fused gate/up activation,
     oneDNN and OpenBLAS (capped)."""
     selected = [
         "tests/test_cpu_blas.py::test_native_kernel_at_odd_widths_equals_torch",
+        "tests/test_cpu_blas.py::test_fused_gate_up_activation_is_bit_identical_to_the_"
+        "product_then_silu_mul",
         "tests/kv/test_paged_native.py::test_the_kernel_equals_gathered_attention",
         "tests/kv/test_prefill_native.py::test_the_kernel_equals_sdpa_per_chunk",
         "tests/kv/test_block_sparse_native.py::test_native_list_attention_is_the_gathered_route",
@@ -102,12 +104,13 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     from tokenmill.attention.paged_native import SOURCE as DECODE
     from tokenmill.attention.prefill_native import FLAGS as PREFILL_FLAGS
     from tokenmill.attention.prefill_native import SOURCE as PREFILL
+    from tokenmill.layers.native_linear import FLAGS as PRODUCT_FLAGS
     from tokenmill.layers.native_linear import SOURCE as PRODUCTS
     from tokenmill.quant.kernels import SOURCE as QUANTIZED
 
     native = build_extension("paged_decode", DECODE, ("-ffast-math",))
     monkeypatch.setenv("TOKENMILL_ISA", "avx2")
-    for name, source, flags in (("f32_linear", PRODUCTS, ()),
+    for name, source, flags in (("f32_linear", PRODUCTS, PRODUCT_FLAGS),
                                 ("qlinear", QUANTIZED, ()),
                                 ("paged_decode", DECODE, ("-ffast-math",)),
                                 ("prefill_causal", PREFILL, PREFILL_FLAGS)):

@@ -8,13 +8,21 @@
 // AVX-512: 24 accumulators in registers; a product's rows in tiles of even sizes), each
 // weight column loaded once per tile into registers and shared by its rows, the columns
 // in chunks of kChunk so a tile's weights stay in L1/L2 while every row tile of the
-// product passes over them. At one row that is NB
-// independent streams and sums per thread, which measured faster than one block
-// streamed at a time with four accumulators and a software prefetch (about 2x).
+// product passes over them. At one row that is NB independent streams and sums per
+// thread, measured ~2x faster than one block at a time with 4 sums and a prefetch.
 // The work is split over torch's threads by groups of blocks (contiguous memory per
 // thread). GCC vector types keep it portable: one AVX-512 register per block, or a
 // block in two 8-lane halves (AVX2 registers) without AVX-512. Sums run in another
 // order than a BLAS does (results differ from torch's by rounding only).
+//
+// f32_linear_silu_mul: a gated MLP's gate/up product with its activation in the
+// epilogue, silu(x Wg^T + bg) * (x Wu^T + bu) for a weight packed from [gate | up]
+// (gate blocks first, then the up blocks of the same channels). A tile takes gate
+// channels with the up channels that pair with them, keeps its partial sums in a
+// per-thread buffer the size of one panel's group (L2, not the [M, 2I] output), and
+// writes only the [M, I] activation: the [M, 2I] products are never stored or read
+// again. Per element the sums and the activation's rounding are those of f32_linear
+// followed by row_ops.cpp's silu_mul (vec_math.h): bit-identical to the two calls.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -44,16 +52,21 @@ constexpr int kRowTile = 6;    // 6 x 1 x 2 halves + 2 + a broadcast of 16 regis
 constexpr int kBlockTile = 1;
 #endif
 constexpr int kParts = kLanes / kVec;
-// The fused activation's tiles: gate/up pairs of blocks (2 pairs with AVX-512: 6 x 4
-// accumulators; 1 pair without: 3 x 4 halves of 16 registers).
+// The fused activation's tiles take gate channels a vector at a time ("units": a block
+// with AVX-512, half a block without), each with the up channels that pair with it:
+// 6 rows x 2 units with AVX-512 (6 x 4 accumulators). Under AVX2, 6 rows x 1 unit
+// (the plain tile's 6 x 2 halves) from kFusedFewRows rows on; below that, where the
+// weights stream from memory, 2 rows x 2 units (a whole block's lines per stream:
+// half-block units read each line twice, and one row ran 1.4x slower so).
 #if defined(__AVX512F__)
-constexpr int kPairTile = 2;
-constexpr int kFusedRowTile = 6;
+constexpr int kUnitTile = 2, kFusedRowTile = 6;
+constexpr int kFewUnitTile = 2, kFewRowTile = 6;
 #else
-constexpr int kPairTile = 1;
-constexpr int kFusedRowTile = 3;
+constexpr int kUnitTile = 1, kFusedRowTile = 6;
+constexpr int kFewUnitTile = 2, kFewRowTile = 2;
 #endif
-constexpr int kMaxBlocks = std::max(kBlockTile, 2 * kPairTile);
+constexpr int64_t kFusedFewRows = 8;
+constexpr int kMaxVectors = std::max({kBlockTile * kParts, 2 * kUnitTile, 2 * kFewUnitTile});
 typedef float vf __attribute__((vector_size(kVec * sizeof(float))));
 // Columns per pass: 3 blocks x 256 x 64 B = 48 KB of weights shared by the row tiles
 // (benchmarks/bench_native_rows.py --builds compares other sizes).
@@ -105,10 +118,18 @@ struct Problem {
   int64_t M, K;
 };
 
-// The packed blocks a group of tiles multiplies (adjacent for a plain product; gate
-// blocks then their up blocks for the fused activation).
-struct Blocks {
-  int64_t at[kMaxBlocks];
+// The vectors a group of tiles computes: vector j's channels start at float w[j] of
+// the packed weight (its block's stream, plus its lane offset in the block's columns)
+// and at b[j] of the bias. Adjacent for a plain product; gate units then their up
+// units for the fused activation.
+struct Slots {
+  int64_t w[kMaxVectors];
+  int64_t b[kMaxVectors];
+
+  void set(int j, int64_t block, int64_t lane, int64_t K) {
+    w[j] = block * K * kLanes + lane;
+    b[j] = block * kLanes + lane;
+  }
 };
 
 // Where a tile's sums go. `part` holds them between column chunks: the tile's row r,
@@ -127,27 +148,34 @@ struct Sink {
   }
 };
 
-// Weights to fetch into L2 while a tile runs: the next chunk of `blocks` blocks (w[j]:
-// block j's first column of it), one 64-byte column per block and column of the tile:
+// Weights to fetch into L2 while a tile runs: the next chunk of `lines` 64-byte column
+// streams (w[j]: the first column of it), one line per stream and column of the tile:
 // the columns k with (k - k0) % every == phase, so the fetches of a chunk are spread
 // evenly over the row tiles that share them.
 struct Prefetch {
-  const float* w[kMaxBlocks] = {};
-  int blocks = 0;
+  const float* w[kMaxVectors] = {};
+  int lines = 0;
   int every = 1, phase = 0;
 };
 
+// The column streams of a group's vectors from column k on (one per block: vectors in
+// the second half of a block share its lines), for fetching ahead.
+Prefetch streams(const float* w, const Slots& s, int vectors, int64_t k) {
+  Prefetch ahead;
+  for (int j = 0; j < vectors; ++j)
+    if (s.w[j] % kLanes == 0) ahead.w[ahead.lines++] = w + s.w[j] + k * kLanes;
+  return ahead;
+}
+
 // silu(gate) * up of a finished tile's sums into the sink's act (vec_math.h's rounding:
 // built without FMA contraction, as row_ops.cpp is, and kept out of line so the tile's
-// own loop keeps its multiply-adds).
+// own loop keeps its multiply-adds). `sums`: the tile's rows of V vectors each.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")
 template <int MR, int V>
-__attribute__((noinline)) void activate(const vf (&acc)[MR][V], const Sink& sink) {
+__attribute__((noinline)) void activate(const float* sums, const Sink& sink) {
   constexpr int kHalf = V / 2 * kVec;
-  for (int m = 0; m < MR; ++m) {
-    float sums[V * kVec];
-    std::memcpy(sums, acc[m], sizeof sums);
+  for (int m = 0; m < MR; ++m, sums += V * kVec) {
     float* target = sink.act + m * sink.ld_act;
 #pragma omp simd
     for (int i = 0; i < kHalf; ++i) target[i] = tokenmill::silu(sums[i]) * sums[kHalf + i];
@@ -155,32 +183,34 @@ __attribute__((noinline)) void activate(const vf (&acc)[MR][V], const Sink& sink
 }
 #pragma GCC pop_options
 
-// Rows [0, MR) of the sink x the blocks' first NB, columns [k0, k1): accumulators start
-// from the bias (first chunk) or the partial sums, and go back to the sink.
-template <int MR, int NB>
-void tile(const Problem& p, const Blocks& b, const float* x, const Sink& sink, int64_t k0,
-          int64_t k1, const Prefetch& ahead) {
-  constexpr int V = NB * kParts;  // vectors across the tile's blocks
+// Rows [0, MR) of the sink x the slots' first V vectors, columns [k0, k1): accumulators
+// start from the bias (first chunk) or the partial sums, and go back to the sink. Out
+// of line: inlined into the product's loops, GCC kept the AVX2 tile's accumulators in
+// memory (2.5x slower); with AVX-512 the two measured alike.
+template <int MR, int V>
+__attribute__((noinline)) void tile(const Problem& p, const Slots& s, const float* x,
+                                    const Sink& sink, int64_t k0, int64_t k1,
+                                    const Prefetch& ahead) {
   vf acc[MR][V];
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < V; ++j) {
       if (k0 > 0) acc[m][j] = load(sink.part + m * sink.ld + j * kVec);
-      else if (p.bias) acc[m][j] = load(p.bias + b.at[j / kParts] * kLanes + (j % kParts) * kVec);
+      else if (p.bias) acc[m][j] = load(p.bias + s.b[j]);
       else acc[m][j] = vf{};
     }
   }
-  const float* w[NB];
-  for (int j = 0; j < NB; ++j) w[j] = p.w + (b.at[j] * p.K + k0) * kLanes;
+  const float* w[V];
+  for (int j = 0; j < V; ++j) w[j] = p.w + s.w[j] + k0 * kLanes;
   int countdown = ahead.phase;
   for (int64_t k = k0; k < k1; ++k) {
-    if (ahead.blocks && countdown-- == 0) {
+    if (ahead.lines && countdown-- == 0) {
       countdown = ahead.every - 1;
-      for (int j = 0; j < ahead.blocks; ++j)
+      for (int j = 0; j < ahead.lines; ++j)
         __builtin_prefetch(ahead.w[j] + (k - k0) * kLanes, 0, 2);
     }
     vf wk[V];
     for (int j = 0; j < V; ++j) {
-      wk[j] = load(w[j / kParts] + (k - k0) * kLanes + (j % kParts) * kVec);
+      wk[j] = load(w[j] + (k - k0) * kLanes);
       pin(wk[j]);
     }
     for (int m = 0; m < MR; ++m) {
@@ -188,36 +218,37 @@ void tile(const Problem& p, const Blocks& b, const float* x, const Sink& sink, i
       for (int j = 0; j < V; ++j) acc[m][j] += xm * wk[j];
     }
   }
-  if (sink.act && k1 == p.K) return activate<MR, V>(acc, sink);
+  if (sink.act && k1 == p.K) {
+    float sums[MR * V * kVec];  // a copy: passing acc's own address kept it in memory
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < V; ++j) store(sums + (m * V + j) * kVec, acc[m][j]);
+    return activate<MR, V>(sums, sink);
+  }
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < V; ++j) store(sink.part + m * sink.ld + j * kVec, acc[m][j]);
 }
 
-template <int NB, int MR>
-void rows_tail(const Problem& p, const Blocks& b, const float* x, const Sink& sink,
+template <int V, int MR>
+void rows_tail(const Problem& p, const Slots& s, const float* x, const Sink& sink,
                int64_t rows, int64_t k0, int64_t k1, const Prefetch& ahead) {
   if constexpr (MR > 0) {
-    if (rows == MR) return tile<MR, NB>(p, b, x, sink, k0, k1, ahead);
-    rows_tail<NB, MR - 1>(p, b, x, sink, rows, k0, k1, ahead);
+    if (rows == MR) return tile<MR, V>(p, s, x, sink, k0, k1, ahead);
+    rows_tail<V, MR - 1>(p, s, x, sink, rows, k0, k1, ahead);
   }
 }
 
-// The blocks b.at[0, NB) for rows [m_begin, m_end) (the sink's row 0 is m_begin), in
-// row tiles of up to RowTile rows; `next` is what this thread multiplies after them
-// (their first chunk is fetched ahead).
-template <int NB, int RowTile>
-void group(const Problem& p, const Blocks& b, int64_t m_begin, int64_t m_end, const Sink& sink,
+// The slots' first V vectors for rows [m_begin, m_end) (the sink's row 0 is m_begin),
+// in row tiles of up to RowTile rows; `next` is what this thread multiplies after them
+// (its first chunk is fetched ahead).
+template <int V, int RowTile>
+void group(const Problem& p, const Slots& s, int64_t m_begin, int64_t m_end, const Sink& sink,
            const Prefetch& next) {
   const int64_t rows = m_end - m_begin;
   const int64_t tiles = (rows + RowTile - 1) / RowTile;
   for (int64_t k0 = 0; k0 < p.K; k0 += kChunk) {
     const int64_t k1 = std::min(p.K, k0 + kChunk);
     // The chunk after this one: this group's next columns, or the next group's first.
-    Prefetch after = next;
-    if (k1 < p.K) {
-      after.blocks = NB;
-      for (int j = 0; j < NB; ++j) after.w[j] = p.w + (b.at[j] * p.K + k1) * kLanes;
-    }
+    const Prefetch after = k1 < p.K ? streams(p.w, s, V, k1) : next;
     int64_t done = 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t size = TM_EVEN_TILES ? rows / tiles + (t < rows % tiles)
@@ -225,51 +256,46 @@ void group(const Problem& p, const Blocks& b, int64_t m_begin, int64_t m_end, co
       // Row tiles 1 .. tiles - 1 share out the next chunk's columns (none with one tile:
       // a lone row tile streams from memory anyway, and fetching ahead measured slower).
       Prefetch ahead;
-      if (TM_PREFETCH_NEXT && tiles > 1 && t > 0 && after.blocks > 0) {
+      if (TM_PREFETCH_NEXT && tiles > 1 && t > 0 && after.lines > 0) {
         ahead = after;
         ahead.every = static_cast<int>(tiles - 1);
         ahead.phase = static_cast<int>(t - 1);
       }
-      rows_tail<NB, RowTile>(p, b, p.x + (m_begin + done) * p.K, sink.rows_on(done), size, k0,
-                             k1, ahead);
+      rows_tail<V, RowTile>(p, s, p.x + (m_begin + done) * p.K, sink.rows_on(done), size, k0,
+                            k1, ahead);
       done += size;
     }
   }
 }
 
-template <int NB, int RowTile>
-void group_tail(const Problem& p, const Blocks& b, int blocks, int64_t m_begin, int64_t m_end,
+template <int V, int RowTile>
+void group_tail(const Problem& p, const Slots& s, int vectors, int64_t m_begin, int64_t m_end,
                 const Sink& sink, const Prefetch& next) {
-  if constexpr (NB > 0) {
-    if (blocks == NB) return group<NB, RowTile>(p, b, m_begin, m_end, sink, next);
-    group_tail<NB - 1, RowTile>(p, b, blocks, m_begin, m_end, sink, next);
+  if constexpr (V > 0) {
+    if (vectors == V) return group<V, RowTile>(p, s, m_begin, m_end, sink, next);
+    group_tail<V - 1, RowTile>(p, s, vectors, m_begin, m_end, sink, next);
   }
 }
 
-// The first column of each block of a group (what fetching ahead into it reads).
-Prefetch starts(const Problem& p, const Blocks& b, int blocks) {
-  Prefetch first;
-  first.blocks = blocks;
-  for (int j = 0; j < blocks; ++j) first.w[j] = p.w + b.at[j] * p.K * kLanes;
-  return first;
-}
-
-// Group g of a plain product: blocks [g * kBlockTile, ...) while they last.
-int adjacent_blocks(int64_t g, int64_t blocks, Blocks& b) {
+// Group g of a plain product: blocks [g * kBlockTile, ...) while they last, a vector
+// per kVec lanes. Returns the vectors.
+int adjacent_slots(int64_t g, int64_t blocks, int64_t K, Slots& s) {
   const int64_t b0 = g * kBlockTile;
-  const int count = static_cast<int>(std::min<int64_t>(kBlockTile, blocks - b0));
-  for (int j = 0; j < count; ++j) b.at[j] = b0 + j;
+  const int count = static_cast<int>(std::min<int64_t>(kBlockTile, blocks - b0)) * kParts;
+  for (int j = 0; j < count; ++j) s.set(j, b0 + j / kParts, (j % kParts) * kVec, K);
   return count;
 }
 
-// Group g of the fused activation: gate blocks [g * kPairTile, ...) of `pairs`, then
-// their up blocks (pairs further on).
-int pair_blocks(int64_t g, int64_t pairs, Blocks& b) {
-  const int64_t p0 = g * kPairTile;
-  const int count = static_cast<int>(std::min<int64_t>(kPairTile, pairs - p0));
+// Group g of the fused activation: gate units [g * unit_tile, ...) of `units` (a unit:
+// kVec channels, `units / kParts` blocks of gates), then the up units of the same
+// channels (the up blocks follow the gate blocks). Returns the vectors.
+int pair_slots(int64_t g, int unit_tile, int64_t units, int64_t K, Slots& s) {
+  const int64_t u0 = g * unit_tile, gate_blocks = units / kParts;
+  const int count = static_cast<int>(std::min<int64_t>(unit_tile, units - u0));
   for (int j = 0; j < count; ++j) {
-    b.at[j] = p0 + j;
-    b.at[count + j] = pairs + p0 + j;
+    const int64_t u = u0 + j, lane = (u % kParts) * kVec;
+    s.set(j, u / kParts, lane, K);
+    s.set(count + j, gate_blocks + u / kParts, lane, K);
   }
   return 2 * count;
 }
@@ -311,17 +337,41 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
     for (int64_t m0 = 0; m0 < p.M; m0 += kPanel) {
       const int64_t m1 = std::min(p.M, m0 + kPanel);
       for (int64_t g = begin; g < end; ++g) {
-        Blocks b, following;
-        const int count = adjacent_blocks(g, blocks, b);
+        Slots s, following;
+        const int vectors = adjacent_slots(g, blocks, p.K, s);
         const Prefetch next = g + 1 < end
-            ? starts(p, following, adjacent_blocks(g + 1, blocks, following)) : Prefetch{};
-        const Sink sink{o + m0 * ldo + b.at[0] * kLanes, ldo};
-        group_tail<kBlockTile, kRowTile>(p, b, count, m0, m1, sink, next);
+            ? streams(p.w, following, adjacent_slots(g + 1, blocks, p.K, following), 0)
+            : Prefetch{};
+        const Sink sink{o + m0 * ldo + g * kBlockTile * kLanes, ldo};
+        group_tail<kBlockTile * kParts, kRowTile>(p, s, vectors, m0, m1, sink, next);
       }
     }
   });
   if (out_features == ldo) return out;
   return out.narrow(1, 0, out_features).contiguous();
+}
+
+// silu(gate) * up into o [M][width] in tiles of UnitTile units x RowTile rows.
+template <int UnitTile, int RowTile>
+void fused(const Problem& p, float* o, int64_t width) {
+  const int64_t units = width / kVec, groups = (units + UnitTile - 1) / UnitTile;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    // The partial sums of one group over one panel of rows.
+    std::vector<float> partial(kPanel * 2 * UnitTile * kVec);
+    for (int64_t m0 = 0; m0 < p.M; m0 += kPanel) {
+      const int64_t m1 = std::min(p.M, m0 + kPanel);
+      for (int64_t g = begin; g < end; ++g) {
+        Slots s, following;
+        const int vectors = pair_slots(g, UnitTile, units, p.K, s);
+        const Prefetch next = g + 1 < end
+            ? streams(p.w, following, pair_slots(g + 1, UnitTile, units, p.K, following), 0)
+            : Prefetch{};
+        const Sink sink{partial.data(), vectors * kVec, o + m0 * width + g * UnitTile * kVec,
+                        width};
+        group_tail<2 * UnitTile, RowTile>(p, s, vectors, m0, m1, sink, next);
+      }
+    }
+  });
 }
 
 torch::Tensor f32_linear_silu_mul(torch::Tensor x, torch::Tensor packed,
@@ -335,24 +385,8 @@ torch::Tensor f32_linear_silu_mul(torch::Tensor x, torch::Tensor packed,
   const int64_t pairs = blocks / 2, width = pairs * kLanes;
   auto out = torch::empty({x.size(0), width}, x.options());
   const Problem p = problem(x, packed, bias);
-  float* o = out.data_ptr<float>();
-  const int64_t groups = (pairs + kPairTile - 1) / kPairTile;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    // The partial sums of one group over one panel of rows.
-    std::vector<float> partial(kPanel * 2 * kPairTile * kLanes);
-    for (int64_t m0 = 0; m0 < p.M; m0 += kPanel) {
-      const int64_t m1 = std::min(p.M, m0 + kPanel);
-      for (int64_t g = begin; g < end; ++g) {
-        Blocks b, following;
-        const int count = pair_blocks(g, pairs, b);
-        const Prefetch next = g + 1 < end
-            ? starts(p, following, pair_blocks(g + 1, pairs, following)) : Prefetch{};
-        const Sink sink{partial.data(), count * kLanes, o + m0 * width + b.at[0] * kLanes,
-                        width};
-        group_tail<2 * kPairTile, kFusedRowTile>(p, b, count, m0, m1, sink, next);
-      }
-    }
-  });
+  if (p.M < kFusedFewRows) fused<kFewUnitTile, kFewRowTile>(p, out.data_ptr<float>(), width);
+  else fused<kUnitTile, kFusedRowTile>(p, out.data_ptr<float>(), width);
   return out;
 }
 
