@@ -29,12 +29,16 @@ from tokenmill.model.loader import read_config  # noqa: E402
 
 
 def parse_config(text: str) -> tuple[str, dict[str, object]]:
-    """"name:key=value,key=value" -> (name, options); values as ints where they read so."""
+    """"name:key=value,key=value" -> (name, options); values as ints where they read so,
+    true / false as booleans."""
     name, _, rest = text.partition(":")
     options: dict[str, object] = {}
     for item in filter(None, rest.split(",")):
         key, _, value = item.partition("=")
-        options[key] = int(value) if value.lstrip("-").isdigit() else value
+        if value.lower() in ("true", "false"):
+            options[key] = value.lower() == "true"
+        else:
+            options[key] = int(value) if value.lstrip("-").isdigit() else value
     return name, options
 
 

@@ -133,6 +133,10 @@ class ModelConfig:
     # than fresh pages every layer (layers/row_slices.py). None: sized from this
     # host's last-level cache; 0: the whole batch at once.
     mlp_slice_rows: int | None = None
+    # Ask Linux for transparent huge pages (2 MB) under the weights as they load
+    # (layers/huge_pages.py): a decode step streams them faster. Nothing changes where
+    # the system's THP setting is `never` or off Linux.
+    huge_pages: bool = True
     # auto: split a reasoning model's thinking from its answer and accept thinking
     # budgets when the model declares thinking markers (tokenmill/reasoning.py); none:
     # treat its output as plain text.
@@ -158,6 +162,8 @@ class ModelConfig:
         rows = self.mlp_slice_rows
         _require(rows is None or (type(rows) is int and rows >= 0), "mlp_slice_rows",
                  "None or an int >= 0", rows)
+        _require(type(self.huge_pages) is bool, "huge_pages", "True or False",
+                 self.huge_pages)
         _require(self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
                  f"one of {REASONING_PARSERS}", self.reasoning_parser)
 

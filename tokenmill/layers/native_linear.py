@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.layers import huge_pages
 from tokenmill.layers.linear_method import Linear, PlainLinearMethod
 from tokenmill.layers.native import build_extension
 
@@ -49,7 +50,9 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     if out_features % LANES:
         padded = padded.new_zeros(blocks * LANES, in_features)
         padded[:out_features] = weight.detach()
-    return padded.view(blocks, LANES, in_features).transpose(1, 2).contiguous()
+    source = padded.view(blocks, LANES, in_features).transpose(1, 2)
+    packed = huge_pages.empty_like(source)  # in huge pages where the loader asks for them
+    return packed.copy_(source)
 
 
 def packed_bytes(layer: Linear, dtype: torch.dtype) -> int:

@@ -31,6 +31,7 @@ from tokenmill.dist.context import (
 from tokenmill.dist.expert_replicas import ReplicaSet
 from tokenmill.dist.pipeline import PipelineSends, PipelineStage, micro_batches
 from tokenmill.dist.tensor_parallel import tensor_parallel_selector
+from tokenmill.layers import huge_pages
 from tokenmill.layers.linear import weight_bytes
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
@@ -93,12 +94,13 @@ class Worker:
         self.products = target_products(config, self.base_products, dtype, self.stage)
         self.products.configure_threads(threads)
         self.replicas = self._replica_set(config)
-        loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
-                            progress=progress and self.group.rank == 0, group=self.group,
-                            select_linear=tensor_parallel_selector(self.products.selector,
-                                                                   self.group),
-                            stage=self.stage, expert_slots=self.replicas and
-                            self.replicas.initial_slots)
+        with huge_pages.for_weights(mcfg.huge_pages):
+            loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
+                                progress=progress and self.group.rank == 0, group=self.group,
+                                select_linear=tensor_parallel_selector(
+                                    self.products.selector, self.group),
+                                stage=self.stage, expert_slots=self.replicas and
+                                self.replicas.initial_slots)
         calibrate(loaded.model, config)  # activation-aware quantization, when configured
         self.mlp_slices = set_mlp_slice_rows(loaded.model, mcfg.mlp_slice_rows,
                                              loaded.dtype.itemsize, loaded.device)
