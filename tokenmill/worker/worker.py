@@ -126,7 +126,8 @@ class Worker:
         if context is not None:
             context.target, context.num_blocks = loaded, self.kv_plan.num_blocks
             context.select_linear, context.progress = self.base_products.selector, progress
-        self.proposer = build_proposer(context)
+        with huge_pages.for_weights(mcfg.huge_pages):  # a draft model's weights too
+            self.proposer = build_proposer(context)
         # Distributions the last proposals' sampled drafts were drawn from, by request.
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.memory = self._measure_memory()
