@@ -68,10 +68,11 @@ class OpaqueAttention:
 
 def patch_for_tracing() -> None:
     """Under dynamo: products through the op, row operations in their torch forms."""
-    def forward(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def forward(layer: Linear, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return linear_op(x, layer.bench_id, layer.out_features)
-        return PRODUCT[0](layer, x)
+            out = linear_op(x, layer.bench_id, layer.out_features)
+            return tokenmill.layers.activation.silu_and_mul(out) if silu_mul else out
+        return PRODUCT[0](layer, x, silu_mul=silu_mul)
 
     eager_row_ops = native.row_ops_for
 

@@ -56,9 +56,9 @@ def main() -> None:
     spent = {"products": 0.0, "head": 0.0}
     real_forward = Linear.forward
 
-    def timed(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def timed(layer: Linear, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         started = time.perf_counter()
-        out = real_forward(layer, x)
+        out = real_forward(layer, x, silu_mul=silu_mul)
         elapsed = time.perf_counter() - started
         if x.numel() <= x.shape[-1] * args.batch:  # decode rows (prompts are longer)
             spent["products"] += elapsed
@@ -66,20 +66,21 @@ def main() -> None:
                 spent["head"] += elapsed
         return out
 
-    def zeros(layer: Linear, x: torch.Tensor) -> torch.Tensor:
-        return x.new_zeros(*x.shape[:-1], layer.out_features)
+    def zeros(layer: Linear, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
+        # A gate/up layer called with its activation returns half its outputs.
+        return x.new_zeros(*x.shape[:-1], layer.out_features // (2 if silu_mul else 1))
 
     buffers: dict[int, torch.Tensor] = {}
     read = [0.0]
 
-    def flushed(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    def flushed(layer: Linear, x: torch.Tensor, silu_mul: bool = False) -> torch.Tensor:
         if id(layer) not in buffers:
             buffers[id(layer)] = torch.ones(layer.out_features, layer.in_features)
         buffer = buffers[id(layer)]
         started = time.perf_counter()
         buffer.sum()
         read[0] += time.perf_counter() - started
-        return zeros(layer, x)
+        return zeros(layer, x, silu_mul)
 
     vocab = llm.engine.executor.worker.runner.model.lm_head.out_features
     tokens = args.new_tokens - 1  # TPOT counts the tokens after the first
