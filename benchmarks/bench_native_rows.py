@@ -9,16 +9,24 @@ settings, one build per argument (e.g. "TM_CHUNK=128 TM_PANEL=64").
     python benchmarks/bench_native_rows.py [--rows 256,2048] [--panels 128,100000]
     python benchmarks/bench_native_rows.py --builds TM_CHUNK=256 TM_CHUNK=128
     python benchmarks/bench_native_rows.py --rows 1,8 --copies 8    # weights from memory
+    python benchmarks/bench_native_rows.py --rows 1,8 --model-pass --builds A B
+
+--model-pass times every product of one decode step of the 0.5B shape instead (24 x
+QKV, o, gate/up, down, then the 151936-row LM head; 2 GB of weights in huge pages,
+packed once and shared by the builds), the builds alternated pass by pass (--passes
+each): the median and fastest pass per build and row count, in ms.
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import statistics
+import time
 
 import torch
 
-from tokenmill.layers import cpu_blas, native_linear
+from tokenmill.layers import cpu_blas, huge_pages, native_linear
 from tokenmill.layers.native import build_extension
 from tokenmill.layers.timing import best_seconds
 
@@ -38,6 +46,35 @@ def onednn_call(x, weight, _unused) -> None:
     cpu_blas.onednn_linear(x, weight)
 
 
+def model_pass(kernels: dict, rows_list: list[int], passes: int) -> None:
+    """Each build's time for one decode step's products, alternated pass by pass."""
+    hidden, intermediate, vocab = 896, 4864, 151936
+    shapes = [(1152, hidden), (hidden, hidden), (2 * intermediate, hidden),
+              (hidden, intermediate)] * 24 + [(vocab, hidden)]
+    with huge_pages.for_weights(True):
+        packed = [(native_linear.pack(torch.randn(out, inp) * 0.02), out, inp)
+                  for out, inp in shapes]
+    print("rows, build: median ms (fastest) of one pass over a decode step's products")
+    for rows in rows_list:
+        xs = {width: torch.randn(rows, width) for width in (hidden, intermediate)}
+
+        def one_pass(kernel, xs=xs) -> float:
+            started = time.perf_counter()
+            for weight, out, inp in packed:
+                kernel.f32_linear(xs[inp], weight, None, out)
+            return (time.perf_counter() - started) * 1e3
+
+        times = {build: [] for build in kernels}
+        for kernel in kernels.values():
+            one_pass(kernel)  # warm-up
+        for _ in range(passes):
+            for build, kernel in kernels.items():
+                times[build].append(one_pass(kernel))
+        for build, spent in times.items():
+            print(f"{rows}, {build}: {statistics.median(spent):.1f} ({min(spent):.1f})",
+                  flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="32,256,2048")
@@ -48,6 +85,9 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=1,
                         help="weights per shape, called in turn (8: beyond the caches, "
                              "as a decode step reads them)")
+    parser.add_argument("--model-pass", action="store_true",
+                        help="time a decode step's products of the 0.5B shape per build")
+    parser.add_argument("--passes", type=int, default=12)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     builds = args.builds or [f"TM_PANEL={int(panel)}" for panel in args.panels.split(",")]
@@ -55,6 +95,8 @@ def main() -> None:
                                       (*native_linear.FLAGS,
                                        *(f"-D{define}" for define in build.split())))
                for build in builds}
+    if args.model_pass:
+        return model_pass(kernels, [int(rows) for rows in args.rows.split(",")], args.passes)
     print("out x in, rows: " + ", ".join(f"native {b}" for b in kernels)
           + ", oneDNN (GFLOP/s)")
     for out_features, in_features in SHAPES:

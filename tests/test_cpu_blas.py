@@ -125,6 +125,38 @@ def test_fused_gate_up_activation_is_bit_identical_to_the_product_then_silu_mul(
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8])
+def test_decode_sized_tiles_equal_the_wide_ones_bit_for_bit(threads, rows):
+    """Up to 8 rows, a product wide enough to give every thread four groups takes the
+    decode tiles (AVX-512: 4 rows x 6 blocks; fused, 4 rows x 3 units). Each output sums
+    its columns in the same order as in the wide tiles a 16-row product takes, so the
+    rows come out bit-identical; partial blocks and groups, two column chunks, bias."""
+    torch.manual_seed(rows)
+    in_features, out_features, intermediate = 600, 1000, 400
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    gate_up = torch.randn(2 * intermediate, in_features) * 0.2
+    x = torch.randn(16, in_features)
+    packed, packed_gate_up = native_linear.pack(weight), native_linear.pack(gate_up)
+    padded = native_linear.padded_bias(bias, packed)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        few = native_linear.linear(x[:rows], packed, padded, out_features)
+        wide = native_linear.linear(x, packed, padded, out_features)[:rows]
+        few_act = native_linear.linear_silu_mul(x[:rows], packed_gate_up, None, 2 * intermediate)
+        products = native_linear.linear(x, packed_gate_up, None, 2 * intermediate)
+        wide_act = native_linear.linear_silu_mul(x, packed_gate_up, None, 2 * intermediate)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(few, wide)
+    torch.testing.assert_close(few, x[:rows] @ weight.t() + bias, atol=1e-4, rtol=1e-4)
+    assert torch.equal(few_act, wide_act[:rows])
+    gate, up = products[:rows].chunk(2, dim=-1)
+    torch.testing.assert_close(few_act, torch.nn.functional.silu(gate) * up)
+
+
+@needs_native
 def test_native_fuses_the_activation_only_where_the_halves_are_whole_blocks():
     x = torch.randn(5, 24)
     for out_features, fused in ((200, False), (48, False), (32, True), (64, True)):

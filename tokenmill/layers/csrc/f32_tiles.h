@@ -1,0 +1,269 @@
+// The float32 kernel's register tiles and the loops around them (f32_linear.cpp's entry
+// points call group_tail): a tile of MR rows x V vectors keeps its sums in registers
+// over a chunk of columns, `group` runs a group of blocks' chunks over a panel of rows
+// in tiles of even sizes. Included by f32_linear.cpp only.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "vec_math.h"
+
+namespace {
+
+constexpr int kLanes = 16;  // a block's channels: the packed layout on every CPU
+
+// The vector the arithmetic runs on: a whole block's 16 lanes with AVX-512, half a block
+// (8 lanes, one AVX2 register) without. A 64-byte GCC vector without AVX-512 is not
+// kept in registers: GCC splits each operation through memory, which measured the
+// product 3-10x slower than OpenBLAS under `--isa avx2` (docs/BENCHMARKS.md), so a
+// block is handled as kParts vectors instead.
+//
+// Tiles (other shapes: benchmarks/bench_native_rows.py --builds). Up to kDecodeRows
+// rows (a decode step's) AVX-512 takes 4 rows x 6 blocks: twice the weight streams per
+// thread, and from 5 rows a second tile multiplies from L2 while the next chunk is
+// fetched (8 rows: 1.05-1.12x on a decode step's products, docs/BENCHMARKS.md).
+// The fused activation's tiles take gate channels a vector at a time ("units": a block
+// with AVX-512, half a block without), each with the up channels that pair with it:
+// AVX-512, 6 rows x 2 units (6 x 4 accumulators), and 4 x 3 up to kDecodeRows rows.
+// AVX2, 6 rows x 1 unit (the plain tile's 6 x 2 halves) from 8 rows on; below, where
+// the weights stream from memory, 2 rows x 2 units (a whole block's lines per stream:
+// half-block units read each line twice, and one row ran 1.4x slower so).
+#if defined(__AVX512F__)
+constexpr int kVec = 16;
+#ifndef TM_ROW_TILE  // 8 x 3 accumulators + 3 weight vectors of 32 registers
+#define TM_ROW_TILE 8
+#define TM_BLOCK_TILE 3
+#endif
+constexpr int kRowTile = TM_ROW_TILE, kBlockTile = TM_BLOCK_TILE;
+constexpr int kDecodeRowTile = 4, kDecodeBlockTile = 6;
+constexpr int kUnitTile = 2, kFusedRowTile = 6, kFewUnitTile = 3, kFewRowTile = 4;
+constexpr int64_t kFusedFewRows = 9;  // below: the few-row tile
+#else
+constexpr int kVec = 8;
+constexpr int kRowTile = 6, kBlockTile = 1;  // 6 x 1 x 2 halves + 2 + a broadcast of 16
+constexpr int kDecodeRowTile = kRowTile, kDecodeBlockTile = kBlockTile;
+constexpr int kUnitTile = 1, kFusedRowTile = 6, kFewUnitTile = 2, kFewRowTile = 2;
+constexpr int64_t kFusedFewRows = 8;
+#endif
+#ifndef TM_DECODE_ROWS  // 0: no decode tiles
+#define TM_DECODE_ROWS 8
+#endif
+constexpr int64_t kDecodeRows = TM_DECODE_ROWS;
+constexpr int kParts = kLanes / kVec;
+constexpr int kMaxVectors = std::max({kBlockTile * kParts, kDecodeBlockTile * kParts,
+                                      2 * kUnitTile, 2 * kFewUnitTile});
+typedef float vf __attribute__((vector_size(kVec * sizeof(float))));
+// Columns per pass: 3 blocks x 256 x 64 B = 48 KB of weights shared by the row tiles
+// (benchmarks/bench_native_rows.py --builds compares other sizes).
+#ifndef TM_CHUNK
+#define TM_CHUNK 256
+#endif
+constexpr int64_t kChunk = TM_CHUNK;
+// Rows per panel: a thread takes its blocks over one panel of rows at a time, so the
+// rows it re-reads for every block group stay in L2 (not the whole x of a 2048-row
+// prefill step from L3; benchmarks/bench_native_rows.py compares panel sizes). 256:
+// an MLP slice (layers/row_slices.py) is one panel.
+#ifndef TM_PANEL
+#define TM_PANEL 256
+#endif
+constexpr int64_t kPanel = TM_PANEL;
+// Prefetch the next column chunk's weights during a chunk's later row tiles (which read
+// the current chunk from L2 and are bound by arithmetic), so the next chunk's first row
+// tile does not wait on memory. 0 builds the loop without it (docs/BENCHMARKS.md
+// compares the two builds in the engine).
+#ifndef TM_PREFETCH_NEXT
+#define TM_PREFETCH_NEXT 1
+#endif
+// Row tiles of even sizes: a product's rows split into as few tiles as kRowTile allows,
+// each within one row of the others (32 rows under AVX2: 6 6 5 5 5 5, not 6 6 6 6 6 2).
+// A small tail tile has too few accumulators to hide the multiply-add latency and runs
+// at a fraction of the rate per row. 0 builds the old split (full tiles, then the rest).
+#ifndef TM_EVEN_TILES
+#define TM_EVEN_TILES 1
+#endif
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+// Keeps v in a register from here on (an empty asm that claims to change it): left
+// alone, GCC folds a weight column's load into every row's multiply-add of a small tile
+// (4 rows under AVX2: 12 loads per 8 multiply-adds, bound by the load ports at the cost
+// of a 6-row tile). The constraint is x86's; elsewhere the compiler decides.
+inline void pin(vf& v) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm("" : "+v"(v));
+#else
+  (void)v;
+#endif
+}
+inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
+
+struct Problem {
+  const float* x;       // [M][K]
+  const float* w;       // [blocks][K][16]
+  const float* bias;    // [blocks * 16], or null
+  int64_t M, K;
+};
+
+// The vectors a group of tiles computes: vector j's channels start at float w[j] of
+// the packed weight (its block's stream, plus its lane offset in the block's columns)
+// and at b[j] of the bias. Adjacent for a plain product; gate units then their up
+// units for the fused activation.
+struct Slots {
+  int64_t w[kMaxVectors];
+  int64_t b[kMaxVectors];
+
+  void set(int j, int64_t block, int64_t lane, int64_t K) {
+    w[j] = block * K * kLanes + lane;
+    b[j] = block * kLanes + lane;
+  }
+};
+
+// Where a tile's sums go. `part` holds them between column chunks: the tile's row r,
+// vector j at part[r * ld + j * kVec]. After the last chunk they stay there; or, with
+// `act` (the fused activation), the tile's first half of vectors are gates and the
+// second half the ups of the same channels, and silu(gate) * up goes to act: row r,
+// gate vector j at act[r * ld_act + j * kVec].
+struct Sink {
+  float* part;
+  int64_t ld;
+  float* act = nullptr;
+  int64_t ld_act = 0;
+
+  Sink rows_on(int64_t rows) const {
+    return {part + rows * ld, ld, act ? act + rows * ld_act : nullptr, ld_act};
+  }
+};
+
+// Weights to fetch into L2 while a tile runs: the next chunk of `lines` 64-byte column
+// streams (w[j]: the first column of it), one line per stream and column of the tile:
+// the columns k with (k - k0) % every == phase, so the fetches of a chunk are spread
+// evenly over the row tiles that share them.
+struct Prefetch {
+  const float* w[kMaxVectors] = {};
+  int lines = 0;
+  int every = 1, phase = 0;
+};
+
+// The column streams of a group's vectors from column k on (one per block: vectors in
+// the second half of a block share its lines), for fetching ahead.
+Prefetch streams(const float* w, const Slots& s, int vectors, int64_t k) {
+  Prefetch ahead;
+  for (int j = 0; j < vectors; ++j)
+    if (s.w[j] % kLanes == 0) ahead.w[ahead.lines++] = w + s.w[j] + k * kLanes;
+  return ahead;
+}
+
+// silu(gate) * up of a finished tile's sums into the sink's act (vec_math.h's rounding:
+// built without FMA contraction, as row_ops.cpp is, and kept out of line so the tile's
+// own loop keeps its multiply-adds). `sums`: the tile's rows of V vectors each.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <int MR, int V>
+__attribute__((noinline)) void activate(const float* sums, const Sink& sink) {
+  constexpr int kHalf = V / 2 * kVec;
+  for (int m = 0; m < MR; ++m, sums += V * kVec) {
+    float* target = sink.act + m * sink.ld_act;
+#pragma omp simd
+    for (int i = 0; i < kHalf; ++i) target[i] = tokenmill::silu(sums[i]) * sums[kHalf + i];
+  }
+}
+#pragma GCC pop_options
+
+// Rows [0, MR) of the sink x the slots' first V vectors, columns [k0, k1): accumulators
+// start from the bias (first chunk) or the partial sums, and go back to the sink. Out
+// of line: inlined into the product's loops, GCC kept the AVX2 tile's accumulators in
+// memory (2.5x slower); with AVX-512 the two measured alike.
+template <int MR, int V>
+__attribute__((noinline)) void tile(const Problem& p, const Slots& s, const float* x,
+                                    const Sink& sink, int64_t k0, int64_t k1,
+                                    const Prefetch& ahead) {
+  vf acc[MR][V];
+  for (int m = 0; m < MR; ++m) {
+    for (int j = 0; j < V; ++j) {
+      if (k0 > 0) acc[m][j] = load(sink.part + m * sink.ld + j * kVec);
+      else if (p.bias) acc[m][j] = load(p.bias + s.b[j]);
+      else acc[m][j] = vf{};
+    }
+  }
+  const float* w[V];
+  for (int j = 0; j < V; ++j) w[j] = p.w + s.w[j] + k0 * kLanes;
+  int countdown = ahead.phase;
+  for (int64_t k = k0; k < k1; ++k) {
+    if (ahead.lines && countdown-- == 0) {
+      countdown = ahead.every - 1;
+      for (int j = 0; j < ahead.lines; ++j)
+        __builtin_prefetch(ahead.w[j] + (k - k0) * kLanes, 0, 2);
+    }
+    vf wk[V];
+    for (int j = 0; j < V; ++j) {
+      wk[j] = load(w[j] + (k - k0) * kLanes);
+      pin(wk[j]);
+    }
+    for (int m = 0; m < MR; ++m) {
+      const float xm = x[m * p.K + k];
+      for (int j = 0; j < V; ++j) acc[m][j] += xm * wk[j];
+    }
+  }
+  if (sink.act && k1 == p.K) {
+    float sums[MR * V * kVec];  // a copy: passing acc's own address kept it in memory
+    for (int m = 0; m < MR; ++m)
+      for (int j = 0; j < V; ++j) store(sums + (m * V + j) * kVec, acc[m][j]);
+    return activate<MR, V>(sums, sink);
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < V; ++j) store(sink.part + m * sink.ld + j * kVec, acc[m][j]);
+}
+
+template <int V, int MR>
+void rows_tail(const Problem& p, const Slots& s, const float* x, const Sink& sink,
+               int64_t rows, int64_t k0, int64_t k1, const Prefetch& ahead) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return tile<MR, V>(p, s, x, sink, k0, k1, ahead);
+    rows_tail<V, MR - 1>(p, s, x, sink, rows, k0, k1, ahead);
+  }
+}
+
+// The slots' first V vectors for rows [m_begin, m_end) (the sink's row 0 is m_begin),
+// in row tiles of up to RowTile rows; `next` is what this thread multiplies after them
+// (its first chunk is fetched ahead).
+template <int V, int RowTile>
+void group(const Problem& p, const Slots& s, int64_t m_begin, int64_t m_end, const Sink& sink,
+           const Prefetch& next) {
+  const int64_t rows = m_end - m_begin;
+  const int64_t tiles = (rows + RowTile - 1) / RowTile;
+  for (int64_t k0 = 0; k0 < p.K; k0 += kChunk) {
+    const int64_t k1 = std::min(p.K, k0 + kChunk);
+    // The chunk after this one: this group's next columns, or the next group's first.
+    const Prefetch after = k1 < p.K ? streams(p.w, s, V, k1) : next;
+    int64_t done = 0;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t size = TM_EVEN_TILES ? rows / tiles + (t < rows % tiles)
+                                         : std::min<int64_t>(RowTile, rows - done);
+      // Row tiles 1 .. tiles - 1 share out the next chunk's columns (none with one tile:
+      // a lone row tile streams from memory anyway, and fetching ahead measured slower).
+      Prefetch ahead;
+      if (TM_PREFETCH_NEXT && tiles > 1 && t > 0 && after.lines > 0) {
+        ahead = after;
+        ahead.every = static_cast<int>(tiles - 1);
+        ahead.phase = static_cast<int>(t - 1);
+      }
+      rows_tail<V, RowTile>(p, s, p.x + (m_begin + done) * p.K, sink.rows_on(done), size, k0,
+                            k1, ahead);
+      done += size;
+    }
+  }
+}
+
+template <int V, int RowTile>
+void group_tail(const Problem& p, const Slots& s, int vectors, int64_t m_begin, int64_t m_end,
+                const Sink& sink, const Prefetch& next) {
+  if constexpr (V > 0) {
+    if (vectors == V) return group<V, RowTile>(p, s, m_begin, m_end, sink, next);
+    group_tail<V - 1, RowTile>(p, s, vectors, m_begin, m_end, sink, next);
+  }
+}
+
+}  // namespace
