@@ -126,12 +126,13 @@ def test_fused_gate_up_activation_is_bit_identical_to_the_product_then_silu_mul(
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 5, 8])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 12])
 def test_decode_sized_tiles_equal_the_wide_ones_bit_for_bit(threads, rows):
-    """Up to 8 rows, a product wide enough to give every thread four groups takes the
-    decode tiles (AVX-512: 4 rows x 6 blocks; fused, 4 rows x 3 units). Each output sums
-    its columns in the same order as in the wide tiles a 16-row product takes, so the
-    rows come out bit-identical; partial blocks and groups, two column chunks, bias."""
+    """Up to 12 rows, a product wide enough to give every thread four groups takes the
+    decode tiles (AVX-512: 4 rows x 6 blocks; fused, up to 8 rows: 4 rows x 3 units).
+    Each output sums its columns in the same order as in the wide tiles a 16-row product
+    takes, so the rows come out bit-identical; partial blocks and groups, two column
+    chunks, bias."""
     torch.manual_seed(rows)
     in_features, out_features, intermediate = 600, 1000, 400
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)

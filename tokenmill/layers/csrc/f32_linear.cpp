@@ -148,7 +148,7 @@ torch::Tensor f32_linear_silu_mul(torch::Tensor x, torch::Tensor packed,
   auto out = torch::empty({x.size(0), width}, x.options());
   const Problem p = problem(x, packed, bias);
   // The few-row tile where it leaves every thread four groups or more.
-  const bool few = p.M < std::min(kFusedFewRows, kDecodeRows + 1) &&
+  const bool few = p.M < kFusedFewRows &&
                    width / kVec >= 4 * kFewUnitTile * at::get_num_threads();
   if (few) fused<kFewUnitTile, kFewRowTile>(p, out.data_ptr<float>(), width);
   else fused<kUnitTile, kFusedRowTile>(p, out.data_ptr<float>(), width);

@@ -25,13 +25,18 @@ constexpr int kLanes = 16;  // a block's channels: the packed layout on every CP
 // Tiles (other shapes: benchmarks/bench_native_rows.py --builds). Up to kDecodeRows
 // rows (a decode step's) AVX-512 takes 4 rows x 6 blocks: twice the weight streams per
 // thread, and from 5 rows a second tile multiplies from L2 while the next chunk is
-// fetched (8 rows: 1.05-1.12x on a decode step's products, docs/BENCHMARKS.md).
-// The fused activation's tiles take gate channels a vector at a time ("units": a block
-// with AVX-512, half a block without), each with the up channels that pair with it:
-// AVX-512, 6 rows x 2 units (6 x 4 accumulators), and 4 x 3 up to kDecodeRows rows.
+// fetched (a decode step's products 1.05-1.12x at 8 rows, ~1.1x at 10-12; no gain from
+// 16 on: docs/BENCHMARKS.md). The fused activation's tiles take gate channels a vector
+// at a time ("units": a block with AVX-512, half a block without), each with the up
+// channels that pair with it: AVX-512, 6 rows x 2 units (6 x 4 accumulators), and
+// 4 x 3 up to 8 rows (at 10-12 rows neither won).
 // AVX2, 6 rows x 1 unit (the plain tile's 6 x 2 halves) from 8 rows on; below, where
 // the weights stream from memory, 2 rows x 2 units (a whole block's lines per stream:
 // half-block units read each line twice, and one row ran 1.4x slower so).
+#ifndef TM_DECODE_ROWS  // AVX-512; 0: no decode tiles
+#define TM_DECODE_ROWS 12
+#endif
+constexpr int64_t kDecodeRows = TM_DECODE_ROWS;
 #if defined(__AVX512F__)
 constexpr int kVec = 16;
 #ifndef TM_ROW_TILE  // 8 x 3 accumulators + 3 weight vectors of 32 registers
@@ -41,7 +46,7 @@ constexpr int kVec = 16;
 constexpr int kRowTile = TM_ROW_TILE, kBlockTile = TM_BLOCK_TILE;
 constexpr int kDecodeRowTile = 4, kDecodeBlockTile = 6;
 constexpr int kUnitTile = 2, kFusedRowTile = 6, kFewUnitTile = 3, kFewRowTile = 4;
-constexpr int64_t kFusedFewRows = 9;  // below: the few-row tile
+constexpr int64_t kFusedFewRows = std::min<int64_t>(9, kDecodeRows + 1);  // below: few
 #else
 constexpr int kVec = 8;
 constexpr int kRowTile = 6, kBlockTile = 1;  // 6 x 1 x 2 halves + 2 + a broadcast of 16
@@ -49,10 +54,6 @@ constexpr int kDecodeRowTile = kRowTile, kDecodeBlockTile = kBlockTile;
 constexpr int kUnitTile = 1, kFusedRowTile = 6, kFewUnitTile = 2, kFewRowTile = 2;
 constexpr int64_t kFusedFewRows = 8;
 #endif
-#ifndef TM_DECODE_ROWS  // 0: no decode tiles
-#define TM_DECODE_ROWS 8
-#endif
-constexpr int64_t kDecodeRows = TM_DECODE_ROWS;
 constexpr int kParts = kLanes / kVec;
 constexpr int kMaxVectors = std::max({kBlockTile * kParts, kDecodeBlockTile * kParts,
                                       2 * kUnitTile, 2 * kFewUnitTile});
