@@ -1,0 +1,31 @@
+"""Run another benchmark script with the native float32 kernel built with extra -D settings.
+
+The kernel's compile-time settings (layers/csrc/f32_tiles.h: TM_DECODE_ROWS, TM_ROW_TILE
+/ TM_BLOCK_TILE, TM_CHUNK, TM_PANEL, TM_PREFETCH_NEXT, TM_EVEN_TILES) select other
+builds; each build compiles once into its own cache directory. Run two settings in
+turn to A/B them inside the engine:
+
+    python benchmarks/with_kernel_build.py "TM_DECODE_ROWS=0" \\
+        benchmarks/bench_decode_split.py --batch 8 --rounds 2
+    python benchmarks/with_kernel_build.py "" benchmarks/bench_decode_split.py --batch 8
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+
+from tokenmill.layers import native_linear
+
+
+def main() -> None:
+    if len(sys.argv) < 3:
+        sys.exit(__doc__)
+    defines, script = sys.argv[1], sys.argv[2]
+    native_linear.FLAGS = (*native_linear.FLAGS, *(f"-D{d}" for d in defines.split()))
+    sys.argv = [script, *sys.argv[3:]]
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()
