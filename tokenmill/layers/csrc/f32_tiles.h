@@ -50,7 +50,11 @@ constexpr int64_t kFusedFewRows = std::min<int64_t>(9, kDecodeRows + 1);  // bel
 #else
 constexpr int kVec = 8;
 constexpr int kRowTile = 6, kBlockTile = 1;  // 6 x 1 x 2 halves + 2 + a broadcast of 16
-constexpr int kDecodeRowTile = kRowTile, kDecodeBlockTile = kBlockTile;
+#ifndef TM_DECODE_ROW_TILE  // the wide tile: other shapes measured no better (BENCHMARKS)
+#define TM_DECODE_ROW_TILE 6
+#define TM_DECODE_BLOCK_TILE 1
+#endif
+constexpr int kDecodeRowTile = TM_DECODE_ROW_TILE, kDecodeBlockTile = TM_DECODE_BLOCK_TILE;
 constexpr int kUnitTile = 1, kFusedRowTile = 6, kFewUnitTile = 2, kFewRowTile = 2;
 constexpr int64_t kFusedFewRows = 8;
 #endif
