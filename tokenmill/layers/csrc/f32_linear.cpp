@@ -147,9 +147,10 @@ torch::Tensor f32_linear_silu_mul(torch::Tensor x, torch::Tensor packed,
   const int64_t pairs = blocks / 2, width = pairs * kLanes;
   auto out = torch::empty({x.size(0), width}, x.options());
   const Problem p = problem(x, packed, bias);
-  // The few-row tile where it leaves every thread four groups or more.
+  // AVX-512's few-row tile where it leaves every thread four groups or more (AVX2's:
+  // below 8 rows whatever the width).
   const bool few = p.M < kFusedFewRows &&
-                   width / kVec >= 4 * kFewUnitTile * at::get_num_threads();
+                   (kVec < kLanes || width / kVec >= 4 * kFewUnitTile * at::get_num_threads());
   if (few) fused<kFewUnitTile, kFewRowTile>(p, out.data_ptr<float>(), width);
   else fused<kUnitTile, kFusedRowTile>(p, out.data_ptr<float>(), width);
   return out;
