@@ -4,7 +4,8 @@
 // (channels past N are zero): a block is one stream, a column one 16-lane vector.
 //
 // One kernel for every row count: tiles of up to MR rows x NB blocks (8 x 3 with
-// AVX-512: 24 accumulators in registers; a product's rows in tiles of even sizes), each
+// AVX-512: 24 accumulators in registers; 4 x 6 up to 12 rows, the decode tiles of
+// f32_tiles.h; a product's rows in tiles of even sizes), each
 // weight column loaded once per tile into registers and shared by its rows, the columns
 // in chunks of kChunk so a tile's weights stay in L1/L2 while every row tile of the
 // product passes over them (one row: NB streams and sums per thread, ~2x one block at a
