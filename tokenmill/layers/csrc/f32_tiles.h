@@ -26,7 +26,9 @@ constexpr int kLanes = 16;  // a block's channels: the packed layout on every CP
 // rows (a decode step's) AVX-512 takes 4 rows x 6 blocks: twice the weight streams per
 // thread, and from 5 rows a second tile multiplies from L2 while the next chunk is
 // fetched (a decode step's products 1.05-1.12x at 8 rows, ~1.1x at 10-12; no gain from
-// 16 on: docs/BENCHMARKS.md). The fused activation's tiles take gate channels a vector
+// 16 on: docs/BENCHMARKS.md). A chunk's first row tile, which reads its weights from
+// memory, fetches its own streams TM_STREAM_AHEAD columns ahead into L2 (8-stream
+// decode 1.14x on a Zen 4 host, level on an Intel one). The fused activation's tiles take gate channels a vector
 // at a time ("units": a block with AVX-512, half a block without), each with the up
 // channels that pair with it: AVX-512, 6 rows x 2 units (6 x 4 accumulators), and
 // 4 x 3 up to 8 rows (at 10-12 rows neither won).
@@ -82,6 +84,12 @@ constexpr int64_t kPanel = TM_PANEL;
 // compares the two builds in the engine).
 #ifndef TM_PREFETCH_NEXT
 #define TM_PREFETCH_NEXT 1
+#endif
+// How far ahead (in columns: one 64-byte line of each block's stream) a chunk's first
+// row tile fetches its own weights: a decode step's products 1.05-1.1x at 1-32 rows
+// (docs/BENCHMARKS.md); 0 builds the tile without it.
+#ifndef TM_STREAM_AHEAD
+#define TM_STREAM_AHEAD 64
 #endif
 // Row tiles of even sizes: a product's rows split into as few tiles as kRowTile allows,
 // each within one row of the others (32 rows under AVX2: 6 6 5 5 5 5, not 6 6 6 6 6 2).
@@ -150,6 +158,10 @@ struct Prefetch {
   const float* w[kMaxVectors] = {};
   int lines = 0;
   int every = 1, phase = 0;
+  // Columns ahead that the tile fetches of its own streams (0: none): a chunk's first
+  // row tile reads its weights from memory, and the hardware's prefetcher alone left it
+  // waiting on them (the rest of the chunk's tiles read them from L2).
+  int64_t own = 0;
 };
 
 // The column streams of a group's vectors from column k on (one per block: vectors in
@@ -202,6 +214,10 @@ __attribute__((noinline)) void tile(const Problem& p, const Slots& s, const floa
       for (int j = 0; j < ahead.lines; ++j)
         __builtin_prefetch(ahead.w[j] + (k - k0) * kLanes, 0, 2);
     }
+    if (ahead.own) {
+      for (int j = 0; j < V; ++j)
+        if (s.w[j] % kLanes == 0) __builtin_prefetch(w[j] + (k - k0 + ahead.own) * kLanes, 0, 2);
+    }
     vf wk[V];
     for (int j = 0; j < V; ++j) {
       wk[j] = load(w[j] + (k - k0) * kLanes);
@@ -247,9 +263,11 @@ void group(const Problem& p, const Slots& s, int64_t m_begin, int64_t m_end, con
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t size = TM_EVEN_TILES ? rows / tiles + (t < rows % tiles)
                                          : std::min<int64_t>(RowTile, rows - done);
-      // Row tiles 1 .. tiles - 1 share out the next chunk's columns (none with one tile:
-      // a lone row tile streams from memory anyway, and fetching ahead measured slower).
+      // The first row tile fetches its own streams ahead; row tiles 1 .. tiles - 1 share
+      // out the next chunk's columns (none with one tile: a lone row tile streams from
+      // memory anyway, and fetching the next chunk measured slower).
       Prefetch ahead;
+      if (t == 0) ahead.own = TM_STREAM_AHEAD;
       if (TM_PREFETCH_NEXT && tiles > 1 && t > 0 && after.lines > 0) {
         ahead = after;
         ahead.every = static_cast<int>(tiles - 1);
