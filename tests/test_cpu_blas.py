@@ -142,19 +142,36 @@ def test_decode_sized_tiles_equal_the_wide_ones_bit_for_bit(threads, rows):
     padded = native_linear.padded_bias(bias, packed)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    limit = native_linear.decode_rows()
     try:
+        native_linear.set_decode_rows(native_linear.max_decode_rows())
         few = native_linear.linear(x[:rows], packed, padded, out_features)
         wide = native_linear.linear(x, packed, padded, out_features)[:rows]
         few_act = native_linear.linear_silu_mul(x[:rows], packed_gate_up, None, 2 * intermediate)
         products = native_linear.linear(x, packed_gate_up, None, 2 * intermediate)
         wide_act = native_linear.linear_silu_mul(x, packed_gate_up, None, 2 * intermediate)
+        # A host that measured the wide tile faster takes it at every row count.
+        native_linear.set_decode_rows(0)
+        no_tiles = native_linear.linear(x[:rows], packed, padded, out_features)
+        no_tiles_act = native_linear.linear_silu_mul(x[:rows], packed_gate_up, None,
+                                                     2 * intermediate)
     finally:
         torch.set_num_threads(previous)
-    assert torch.equal(few, wide)
+        native_linear.set_decode_rows(limit)
+    assert torch.equal(few, wide) and torch.equal(no_tiles, wide)
+    assert torch.equal(no_tiles_act, wide_act[:rows])
     torch.testing.assert_close(few, x[:rows] @ weight.t() + bias, atol=1e-4, rtol=1e-4)
     assert torch.equal(few_act, wide_act[:rows])
     gate, up = products[:rows].chunk(2, dim=-1)
     torch.testing.assert_close(few_act, torch.nn.functional.silu(gate) * up)
+
+
+@needs_native
+def test_the_decode_tile_limit_is_checked():
+    with pytest.raises(RuntimeError, match="decode rows must be 0"):
+        native_linear.set_decode_rows(native_linear.max_decode_rows() + 1)
+    with pytest.raises(RuntimeError, match="decode rows must be 0"):
+        native_linear.set_decode_rows(-1)
 
 
 @needs_native

@@ -9,7 +9,13 @@ import torch
 import tokenmill.attention.prefill_native as prefill_native
 import tokenmill.layers.product_table as table
 from tokenmill.cli import main
-from tokenmill.layers.products import NumpyProducts, ProductPolicy, product_policy
+from tokenmill.layers import native_linear
+from tokenmill.layers.products import (
+    NativeProducts,
+    NumpyProducts,
+    ProductPolicy,
+    product_policy,
+)
 
 
 def test_the_choice_is_the_smallest_geometric_mean_slowdown():
@@ -114,3 +120,42 @@ def test_a_table_is_keyed_by_cpu_torch_and_threads(monkeypatch):
     assert table.table_path(2) != base
     # Ties keep the candidates' order (oneDNN first): the same table, the same choice.
     assert table.choose({"onednn": {1: 1.0}, "numpy": {1: 1.0}}) == "onednn"
+
+
+def test_the_wide_tile_is_taken_only_when_measured_faster():
+    assert table.choose_decode_rows({12: 1.0, 0: 0.9}) == 0
+    assert table.choose_decode_rows({12: 1.0, 0: 0.98}) == 12  # within 3%: the build's
+    assert table.choose_decode_rows({12: 0.9, 0: 1.0}) == 12
+
+
+@pytest.mark.skipif(not native_linear.available() or native_linear.max_decode_rows() == 0,
+                    reason="needs the native kernel with decode tiles")
+def test_the_decode_tiles_are_probed_once_per_host_and_set_by_the_policy(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setattr(table, "CACHE", tmp_path)
+    monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "1")
+    limit = native_linear.max_decode_rows()
+    probes = []
+
+    def fake_measure(shapes, threads, repeats=7, rows=table.DECODE_TILE_ROWS):
+        probes.append(threads)
+        return {limit: 2.0, 0: 1.0}  # the wide tile twice as fast on this "host"
+
+    monkeypatch.setattr(table, "measure_decode_tiles", fake_measure)
+    before = native_linear.decode_rows()
+    try:
+        NativeProducts(torch.device("cpu")).configure_threads(2)
+        assert native_linear.decode_rows() == 0 and probes == [2]
+        assert table.native_decode_rows(2) == 0 and probes == [2]  # stored, then read
+        assert table.read_json(table.decode_tiles_path(2))["source"] == "probe"
+        assert table.native_decode_rows(1) == 0 and probes == [2, 1]  # keyed by threads
+        monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "0")  # the suite's switch: the build's
+        assert table.native_decode_rows(2) == limit
+        # The real measurement: both settings timed.
+        monkeypatch.undo()
+        native_linear.set_decode_rows(limit)
+        seconds = table.measure_decode_tiles([(512, 64), (64, 512)], threads=1, repeats=1)
+        assert set(seconds) == {limit, 0} and min(seconds.values()) > 0
+        assert native_linear.decode_rows() == limit  # left as it was
+    finally:
+        native_linear.set_decode_rows(before)

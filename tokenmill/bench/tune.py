@@ -29,8 +29,19 @@ from tokenmill.bench.tune_scheduler import (
     parse_values,
 )
 from tokenmill.config import DEFAULT_MODEL_DIR
+from tokenmill.layers import native_linear
 from tokenmill.layers.linear import Linear
-from tokenmill.layers.product_table import choose, measure, read_table, table_path, write_table
+from tokenmill.layers.product_table import (
+    choose,
+    decode_tiles_path,
+    measure,
+    measure_decode_tiles,
+    read_json,
+    read_table,
+    table_path,
+    write_decode_tiles,
+    write_table,
+)
 from tokenmill.model.loader import read_config
 from tokenmill.model.registry import resolve_model_class
 
@@ -89,6 +100,13 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"tuning {shape_name} ({len(shapes) - 1} products per layer x {layers} layers + "
           f"LM head) at {threads} threads, rows {list(rows)}")
     progress = (lambda line: print("  " + line, flush=True)) if args.verbose else None
+    if native_linear.available() and native_linear.max_decode_rows() > 0:
+        # First the native kernel's tiles at a decode step's rows (one layer's products
+        # and the head: beyond the caches on most hosts), then native runs with them.
+        tiles = write_decode_tiles(threads, measure_decode_tiles(shapes, threads), "tune")
+        native_linear.set_decode_rows(tiles["decode_rows"])
+        print(format_decode_tiles(tiles))
+        print(f"stored in {decode_tiles_path(threads)}")
     layer = measure(shapes[:-1], rows, threads, args.repeats, progress=progress)
     head = measure(shapes[-1:], rows, threads, args.repeats, progress=progress)
     seconds = pass_seconds(layer, head, layers)
@@ -100,6 +118,16 @@ def cmd_tune(args: argparse.Namespace) -> int:
     if args.out:
         plot(entry, args.out)
     return 0
+
+
+def format_decode_tiles(entry: dict) -> str:
+    """The native kernel's decode tiles against its wide tile (layers/product_table.py)."""
+    seconds = {int(k): v for k, v in entry["seconds"].items()}
+    limit = max(seconds)
+    chosen = entry["decode_rows"]
+    return (f"native decode tiles ({entry['source']}, {entry['rows']} rows): up to {limit} "
+            f"rows {seconds[limit] * 1e3:.2f} ms, wide tile {seconds[0] * 1e3:.2f} ms per "
+            f"pass -> " + (f"decode tiles up to {chosen} rows" if chosen else "wide tile"))
 
 
 def _seconds(entry: dict) -> dict[str, dict[int, float]]:
@@ -126,7 +154,8 @@ def format_table(entry: dict) -> str:
 def report(threads: int, out: Path | None) -> int:
     entry = read_table(threads)
     prefill = prefill_native.stored_tables(threads)
-    if entry is None and not prefill:
+    tiles = read_json(decode_tiles_path(threads))
+    if entry is None and not prefill and tiles is None:
         print(f"nothing measured on this host at {threads} threads yet: run `tokenmill tune` "
               f"(or start an engine: --cpu-blas auto probes)", file=sys.stderr)
         return 1
@@ -135,6 +164,9 @@ def report(threads: int, out: Path | None) -> int:
         print(f"from {table_path(threads)}")
         if out:
             plot(entry, out)
+    if tiles is not None:
+        print(format_decode_tiles(tiles))
+        print(f"from {decode_tiles_path(threads)}")
     # The attention backend's own measured choice (paged-native, at engine start-up).
     for geometry, table in prefill.items():
         print("\n" + prefill_native.format_table(geometry, table))

@@ -85,6 +85,22 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return out.view(*x.shape[:-1], out_features)
 
 
+def max_decode_rows() -> int:
+    """The build's decode-tile limit (TM_DECODE_ROWS): products of up to this many rows
+    take the decode tiles unless `set_decode_rows` lowers it."""
+    return library().max_decode_rows
+
+
+def set_decode_rows(rows: int) -> None:
+    """Products of up to `rows` rows take the decode tiles (0: the wide tile at every row
+    count); which is faster differs by host, so layers/product_table.py measures it."""
+    library().set_decode_rows(rows)
+
+
+def decode_rows() -> int:
+    return library().decode_rows()
+
+
 def fuses_silu_mul(out_features: int) -> bool:
     """Whether the fused gate/up activation takes a [gate | up] layer this wide: both
     halves whole blocks of 16 channels."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import itertools
 import json
@@ -165,6 +166,93 @@ def read_table(threads: int) -> dict | None:
     except (OSError, ValueError):
         return None
     return entry if entry.get("choice") in CANDIDATES else None
+
+
+# The native kernel's decode tiles (4 rows x 6 blocks, f32_linear.cpp) against its wide
+# tile at a decode step's rows: on one AVX-512 host they read 8 rows 1.05-1.12x faster,
+# on another 1.2x slower (docs/BENCHMARKS.md), so each host measures which it takes.
+DECODE_TILE_ROWS = 8
+
+
+def decode_tiles_path(threads: int) -> Path:
+    return CACHE / "products" / f"{host_key(threads)}-{threads}t-native-decode.json"
+
+
+@torch.inference_mode()
+def measure_decode_tiles(shapes: list[tuple[int, int]], threads: int, repeats: int = 7,
+                         rows: int = DECODE_TILE_ROWS) -> dict[int, float]:
+    """Seconds for one pass of native products over `shapes` at `rows` rows with the
+    decode tiles up to the build's limit and with none (0), the two alternating pass by
+    pass; the fastest pass of each."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [native_linear.pack(torch.randn(out, inp, generator=generator) * 0.02)
+               for out, inp in shapes]
+    xs = [torch.randn(rows, w.shape[1], generator=generator) for w in weights]
+    functions = [functools.partial(native_linear.linear, packed=w, bias=None,
+                                   out_features=w.shape[0] * native_linear.LANES)
+                 for w in weights]
+    limits = (native_linear.max_decode_rows(), 0)
+    seconds: dict[int, list[float]] = {limit: [] for limit in limits}
+    before = native_linear.decode_rows()
+    try:
+        with candidate_threads(threads):
+            for _ in range(repeats + 1):  # the first round warms up
+                for limit in limits:
+                    native_linear.set_decode_rows(limit)
+                    seconds[limit].append(one_pass(functions, xs))
+    finally:
+        native_linear.set_decode_rows(before)
+    return {limit: min(times[1:]) for limit, times in seconds.items()}
+
+
+def choose_decode_rows(seconds: dict[int, float]) -> int:
+    """The build's limit unless none (0) measured more than 3% faster (ties stay)."""
+    limit = max(seconds)
+    return 0 if seconds.get(0, math.inf) < 0.97 * seconds[limit] else limit
+
+
+def native_decode_rows(threads: int | None = None) -> int:
+    """The decode-tile limit the native kernel takes on this host: stored by `tokenmill
+    tune` (the model's shapes) or by a start-up probe of a few milliseconds (the
+    probe's weights); TOKENMILL_AUTO_TUNE=0 keeps the build's."""
+    threads = threads or torch.get_num_threads()
+    limit = native_linear.max_decode_rows()
+    if os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0" or limit == 0:
+        return limit
+    path = decode_tiles_path(threads)
+    entry = read_json(path)
+    if entry is None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entry = read_json(path)
+            if entry is None:
+                seconds = measure_decode_tiles(list(PROBE_SHAPES), threads)
+                entry = write_decode_tiles(threads, seconds, "probe")
+                logger.info("native decode tiles: probed %s -> up to %d rows",
+                            {k: round(v * 1e3, 3) for k, v in seconds.items()},
+                            entry["decode_rows"])
+    return min(int(entry["decode_rows"]), limit)
+
+
+def write_decode_tiles(threads: int, seconds: dict[int, float], source: str) -> dict:
+    entry = {"source": source, "threads": threads, "rows": DECODE_TILE_ROWS,
+             "seconds": {str(k): v for k, v in seconds.items()},
+             "decode_rows": choose_decode_rows(seconds)}
+    path = decode_tiles_path(threads)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(entry, indent=1))
+    temporary.replace(path)
+    return entry
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) and "decode_rows" in entry else None
 
 
 def static_choice() -> str:

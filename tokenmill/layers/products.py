@@ -25,7 +25,7 @@ import torch
 from tokenmill.layers import cpu_blas, native_linear
 from tokenmill.layers.linear import Linear, LinearSelector
 from tokenmill.layers.linear_method import PLAIN, TRANSPOSED, LinearMethod
-from tokenmill.layers.product_table import auto_choice
+from tokenmill.layers.product_table import auto_choice, native_decode_rows
 
 LINEAR_METHODS: dict[str, LinearMethod] = {
     method.name: method for method in (PLAIN, TRANSPOSED, cpu_blas.ONEDNN, cpu_blas.NUMPY,
@@ -102,6 +102,10 @@ class NativeProducts(ProductPolicy):
 
     def planned_weight_bytes(self, prefix: str, layer: Linear, dtype: torch.dtype) -> int:
         return native_linear.packed_bytes(layer, dtype)
+
+    def configure_threads(self, num_threads: int) -> None:
+        # Decode tiles or the wide tile at a decode step's rows: measured on this host.
+        native_linear.set_decode_rows(native_decode_rows(num_threads))
 
 
 class NumpyProducts(ProductPolicy):

@@ -32,6 +32,12 @@
 
 namespace {
 
+// Rows up to which a product takes the decode tiles (0: never): the build's
+// TM_DECODE_ROWS until the engine sets what it measured on this host
+// (layers/product_table.py): on one AVX-512 host the 4 x 6 tiles read 8 rows 1.05-1.12x
+// faster than the wide tile, on another 1.2x slower (docs/BENCHMARKS.md).
+int64_t decode_rows = kDecodeRows;
+
 // Group g of a plain product: blocks [g * tile, ...) while they last, a vector per kVec
 // lanes. Returns the vectors.
 int adjacent_slots(int64_t g, int tile, int64_t blocks, int64_t K, Slots& s) {
@@ -88,7 +94,7 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   const Problem p = problem(x, packed, bias);
   float* o = out.data_ptr<float>();
   // The decode tile where it leaves every thread four groups or more.
-  const bool decode = p.M <= kDecodeRows &&
+  const bool decode = p.M <= decode_rows &&
                       blocks >= 4 * kDecodeBlockTile * at::get_num_threads();
   const int tile = decode ? kDecodeBlockTile : kBlockTile;
   const int64_t groups = (blocks + tile - 1) / tile;
@@ -150,11 +156,17 @@ torch::Tensor f32_linear_silu_mul(torch::Tensor x, torch::Tensor packed,
   const Problem p = problem(x, packed, bias);
   // AVX-512's few-row tile where it leaves every thread four groups or more (AVX2's:
   // below 8 rows whatever the width).
-  const bool few = p.M < kFusedFewRows &&
+  const bool few = p.M < fused_few_rows(decode_rows) &&
                    (kVec < kLanes || width / kVec >= 4 * kFewUnitTile * at::get_num_threads());
   if (few) fused<kFewUnitTile, kFewRowTile>(p, out.data_ptr<float>(), width);
   else fused<kUnitTile, kFusedRowTile>(p, out.data_ptr<float>(), width);
   return out;
+}
+
+void set_decode_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 0 && rows <= kDecodeRows, "decode rows must be 0 .. ", kDecodeRows,
+              " (this build's TM_DECODE_ROWS), got ", rows);
+  decode_rows = rows;
 }
 
 }  // namespace
@@ -164,4 +176,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M, K] float32 times a weight packed [blocks, K, 16] (see f32_linear.cpp)");
   m.def("f32_linear_silu_mul", &f32_linear_silu_mul,
         "silu(gate) * up of x [M, K] times a [gate | up] weight packed [blocks, K, 16]");
+  m.def("set_decode_rows", &set_decode_rows,
+        "rows up to which products take the decode tiles (0: never)");
+  m.def("decode_rows", [] { return decode_rows; }, "the current decode-tile limit");
+  m.attr("max_decode_rows") = kDecodeRows;
 }

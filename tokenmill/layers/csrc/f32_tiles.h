@@ -26,9 +26,11 @@ constexpr int kLanes = 16;  // a block's channels: the packed layout on every CP
 // rows (a decode step's) AVX-512 takes 4 rows x 6 blocks: twice the weight streams per
 // thread, and from 5 rows a second tile multiplies from L2 while the next chunk is
 // fetched (a decode step's products 1.05-1.12x at 8 rows, ~1.1x at 10-12; no gain from
-// 16 on: docs/BENCHMARKS.md). A chunk's first row tile, which reads its weights from
-// memory, fetches its own streams TM_STREAM_AHEAD columns ahead into L2 (8-stream
-// decode 1.14x on a Zen 4 host, level on an Intel one). The fused activation's tiles take gate channels a vector
+// 16 on: docs/BENCHMARKS.md; on an Intel host 1.2x slower than the wide tile, so
+// the engine measures which it takes: f32_linear.cpp's decode_rows). A chunk's first
+// row tile, which reads its weights from memory, fetches its own streams
+// TM_STREAM_AHEAD columns ahead into L2 (8-stream decode 1.14x on a Zen 4 host, level
+// on an Intel one). The fused activation's tiles take gate channels a vector
 // at a time ("units": a block with AVX-512, half a block without), each with the up
 // channels that pair with it: AVX-512, 6 rows x 2 units (6 x 4 accumulators), and
 // 4 x 3 up to 8 rows (at 10-12 rows neither won).
@@ -48,7 +50,6 @@ constexpr int kVec = 16;
 constexpr int kRowTile = TM_ROW_TILE, kBlockTile = TM_BLOCK_TILE;
 constexpr int kDecodeRowTile = 4, kDecodeBlockTile = 6;
 constexpr int kUnitTile = 2, kFusedRowTile = 6, kFewUnitTile = 3, kFewRowTile = 4;
-constexpr int64_t kFusedFewRows = std::min<int64_t>(9, kDecodeRows + 1);  // below: few
 #else
 constexpr int kVec = 8;
 constexpr int kRowTile = 6, kBlockTile = 1;  // 6 x 1 x 2 halves + 2 + a broadcast of 16
@@ -58,8 +59,13 @@ constexpr int kRowTile = 6, kBlockTile = 1;  // 6 x 1 x 2 halves + 2 + a broadca
 #endif
 constexpr int kDecodeRowTile = TM_DECODE_ROW_TILE, kDecodeBlockTile = TM_DECODE_BLOCK_TILE;
 constexpr int kUnitTile = 1, kFusedRowTile = 6, kFewUnitTile = 2, kFewRowTile = 2;
-constexpr int64_t kFusedFewRows = 8;
 #endif
+// Rows below which the fused activation takes its few-row tile, for products that take
+// the decode tiles up to `decode_rows` (AVX-512: 4 x 3 up to 8 rows; AVX2: below 8 rows
+// whatever the decode tiles, which there are the wide tile's shape).
+inline int64_t fused_few_rows(int64_t decode_rows) {
+  return kVec == kLanes ? std::min<int64_t>(9, decode_rows + 1) : 8;
+}
 constexpr int kParts = kLanes / kVec;
 constexpr int kMaxVectors = std::max({kBlockTile * kParts, kDecodeBlockTile * kParts,
                                       2 * kUnitTile, 2 * kFewUnitTile});
