@@ -18,6 +18,16 @@ from tokenmill.layers.products import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _decode_rows_restored():
+    """`tokenmill tune` and the policy set the kernel's decode-tile limit for the
+    process: each test leaves it as it found it."""
+    before = native_linear.decode_rows() if native_linear.available() else None
+    yield
+    if before is not None:
+        native_linear.set_decode_rows(before)
+
+
 def test_the_choice_is_the_smallest_geometric_mean_slowdown():
     seconds = {"a": {1: 1.0, 32: 4.0}, "b": {1: 2.0, 32: 1.0}, "c": {1: 1.5, 32: 2.5}}
     # Slowdowns: a 1 x 4 = 4, b 2 x 1 = 2, c 1.5 x 2.5 = 3.75.
@@ -94,9 +104,14 @@ def test_tune_measures_a_models_shapes_and_reports(tmp_path, monkeypatch, capsys
     stored = table.read_table(1)
     assert stored["source"] == "tune" and stored["choice"] in table.CANDIDATES
     assert (tmp_path / "plot" / "tune.png").stat().st_size > 0
+    tiles = table.read_json(table.decode_tiles_path(1))
+    if native_linear.available() and native_linear.max_decode_rows() > 0:
+        assert tiles["source"] == "tune" and "native decode tiles (tune, 8 rows)" in out
     assert main(["tune", "--report", "--threads", "1"]) == 0
-    assert f"choice (smallest geometric-mean slowdown): {stored['choice']}" in \
-        capsys.readouterr().out
+    report = capsys.readouterr().out
+    assert f"choice (smallest geometric-mean slowdown): {stored['choice']}" in report
+    if tiles is not None:
+        assert "native decode tiles (tune, 8 rows)" in report
     assert main(["tune", "--rows", "0,4"]) == 2
     assert main(["tune", "--model", str(tmp_path / "missing")]) == 2
 
