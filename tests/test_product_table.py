@@ -164,6 +164,10 @@ def test_the_decode_tiles_are_probed_once_per_host_and_set_by_the_policy(tmp_pat
         assert table.native_decode_rows(2) == 0 and probes == [2]  # stored, then read
         assert table.read_json(table.decode_tiles_path(2))["source"] == "probe"
         assert table.native_decode_rows(1) == 0 and probes == [2, 1]  # keyed by threads
+        # Measured by another build of the kernel: measured again.
+        path = table.decode_tiles_path(2)
+        path.write_text(path.read_text().replace(native_linear.build_name(), "older"))
+        assert table.native_decode_rows(2) == 0 and probes == [2, 1, 2]
         monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "0")  # the suite's switch: the build's
         assert table.native_decode_rows(2) == limit
         # The real measurement: both settings timed.

@@ -85,6 +85,11 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
     return out.view(*x.shape[:-1], out_features)
 
 
+def build_name() -> str:
+    """The compiled kernel's name: its sources, flags, CPU and torch hashed into it."""
+    return library().__name__
+
+
 def max_decode_rows() -> int:
     """The build's decode-tile limit (TM_DECODE_ROWS): products of up to this many rows
     take the decode tiles unless `set_decode_rows` lowers it."""

@@ -220,12 +220,12 @@ def native_decode_rows(threads: int | None = None) -> int:
     if os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0" or limit == 0:
         return limit
     path = decode_tiles_path(threads)
-    entry = read_json(path)
+    entry = current_decode_tiles(path)
     if entry is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            entry = read_json(path)
+            entry = current_decode_tiles(path)
             if entry is None:
                 seconds = measure_decode_tiles(list(PROBE_SHAPES), threads)
                 entry = write_decode_tiles(threads, seconds, "probe")
@@ -235,8 +235,16 @@ def native_decode_rows(threads: int | None = None) -> int:
     return min(int(entry["decode_rows"]), limit)
 
 
+def current_decode_tiles(path: Path) -> dict | None:
+    """The stored decode-tile choice if this build of the kernel measured it (a changed
+    kernel is measured again)."""
+    entry = read_json(path)
+    return entry if entry and entry.get("kernel") == native_linear.build_name() else None
+
+
 def write_decode_tiles(threads: int, seconds: dict[int, float], source: str) -> dict:
     entry = {"source": source, "threads": threads, "rows": DECODE_TILE_ROWS,
+             "kernel": native_linear.build_name(),
              "seconds": {str(k): v for k, v in seconds.items()},
              "decode_rows": choose_decode_rows(seconds)}
     path = decode_tiles_path(threads)
