@@ -10,6 +10,10 @@ weights, larger than the last-level cache, multiplied at 1, 8, 32 and 128 rows b
 each candidate. The choice is the candidate with the smallest geometric-mean
 slowdown against the fastest at each row class; every engine on the host then takes
 it (one weight form per engine: the candidates keep their weights differently).
+
+The native kernel's decode tiles are measured the same way, once per host, thread
+count and kernel build: whether its 4 x 6 tiles or its wide tile read a decode step's
+8 rows faster (`native_decode_rows`; hosts disagree).
 """
 
 from __future__ import annotations
