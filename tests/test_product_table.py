@@ -104,7 +104,7 @@ def test_tune_measures_a_models_shapes_and_reports(tmp_path, monkeypatch, capsys
     stored = table.read_table(1)
     assert stored["source"] == "tune" and stored["choice"] in table.CANDIDATES
     assert (tmp_path / "plot" / "tune.png").stat().st_size > 0
-    tiles = table.read_json(table.decode_tiles_path(1))
+    tiles = table.read_decode_tiles(1)
     if native_linear.available() and native_linear.max_decode_rows() > 0:
         assert tiles["source"] == "tune" and "native decode tiles (tune, 8 rows)" in out
     assert main(["tune", "--report", "--threads", "1"]) == 0
@@ -152,7 +152,7 @@ def test_the_decode_tiles_are_probed_once_per_host_and_set_by_the_policy(tmp_pat
     limit = native_linear.max_decode_rows()
     probes = []
 
-    def fake_measure(shapes, threads, repeats=7, rows=table.DECODE_TILE_ROWS):
+    def fake_measure(shapes, threads, repeats=7):
         probes.append(threads)
         return {limit: 2.0, 0: 1.0}  # the wide tile twice as fast on this "host"
 
@@ -162,7 +162,7 @@ def test_the_decode_tiles_are_probed_once_per_host_and_set_by_the_policy(tmp_pat
         NativeProducts(torch.device("cpu")).configure_threads(2)
         assert native_linear.decode_rows() == 0 and probes == [2]
         assert table.native_decode_rows(2) == 0 and probes == [2]  # stored, then read
-        assert table.read_json(table.decode_tiles_path(2))["source"] == "probe"
+        assert table.read_decode_tiles(2)["source"] == "probe"
         assert table.native_decode_rows(1) == 0 and probes == [2, 1]  # keyed by threads
         # Measured by another build of the kernel: measured again.
         path = table.decode_tiles_path(2)

@@ -8,8 +8,8 @@ router and top-k experts, times the layers, plus the LM head) every candidate
 version and thread count; the choice is the candidate with the smallest
 geometric-mean slowdown over the classes, and the fastest per class is reported
 beside it; first, the native kernel's decode tiles against its wide tile at 8 rows
-(layers/product_table.py). `--report` prints what is stored (the start-up probe's or a tune's) and
-plots it, and the limit the paged-native backend measured at start-up for its causal
+(layers/product_table.py). `--report` prints what is stored (the start-up probe's or a
+tune's) and plots it, and the limit the paged-native backend measured at start-up for its causal
 prefill kernel (attention/prefill_native.py). `--scheduler` times the scheduler knobs
 instead (bench/tune_scheduler.py).
 """
@@ -37,7 +37,7 @@ from tokenmill.layers.product_table import (
     decode_tiles_path,
     measure,
     measure_decode_tiles,
-    read_json,
+    read_decode_tiles,
     read_table,
     table_path,
     write_decode_tiles,
@@ -155,7 +155,7 @@ def format_table(entry: dict) -> str:
 def report(threads: int, out: Path | None) -> int:
     entry = read_table(threads)
     prefill = prefill_native.stored_tables(threads)
-    tiles = read_json(decode_tiles_path(threads))
+    tiles = read_decode_tiles(threads)
     if entry is None and not prefill and tiles is None:
         print(f"nothing measured on this host at {threads} threads yet: run `tokenmill tune` "
               f"(or start an engine: --cpu-blas auto probes)", file=sys.stderr)

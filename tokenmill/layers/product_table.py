@@ -152,24 +152,44 @@ def one_pass(functions: list[Callable[[torch.Tensor], object]],
     return time.perf_counter() - started
 
 
-def write_table(threads: int, entry: dict) -> None:
-    """Store a measurement as this host's choice (atomically: ranks read it too)."""
-    path = table_path(threads)
+def write_json(path: Path, entry: dict) -> None:
+    """Store a measurement atomically (ranks read it too)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps(entry, indent=1))
     temporary.replace(path)
 
 
-def read_table(threads: int) -> dict | None:
-    path = table_path(threads)
-    if not path.is_file():
-        return None
+def read_json(path: Path) -> dict | None:
     try:
         entry = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
-    return entry if entry.get("choice") in CANDIDATES else None
+    return entry if isinstance(entry, dict) else None
+
+
+def measured_once(path: Path, current: Callable[[], dict | None],
+                  measure_and_store: Callable[[], dict]) -> dict:
+    """The stored entry `current` accepts, or one measured and stored under a file lock
+    (worker processes starting together measure once)."""
+    entry = current()
+    if entry is not None:
+        return entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entry = current()  # another process may have measured meanwhile
+        return entry if entry is not None else measure_and_store()
+
+
+def write_table(threads: int, entry: dict) -> None:
+    """Store a measurement as this host's choice."""
+    write_json(table_path(threads), entry)
+
+
+def read_table(threads: int) -> dict | None:
+    entry = read_json(table_path(threads))
+    return entry if entry is not None and entry.get("choice") in CANDIDATES else None
 
 
 # The native kernel's decode tiles (4 rows x 6 blocks, f32_linear.cpp) against its wide
@@ -183,15 +203,15 @@ def decode_tiles_path(threads: int) -> Path:
 
 
 @torch.inference_mode()
-def measure_decode_tiles(shapes: list[tuple[int, int]], threads: int, repeats: int = 7,
-                         rows: int = DECODE_TILE_ROWS) -> dict[int, float]:
-    """Seconds for one pass of native products over `shapes` at `rows` rows with the
-    decode tiles up to the build's limit and with none (0), the two alternating pass by
-    pass; the fastest pass of each."""
+def measure_decode_tiles(shapes: list[tuple[int, int]], threads: int,
+                         repeats: int = 7) -> dict[int, float]:
+    """Seconds for one pass of native products over `shapes` at DECODE_TILE_ROWS rows,
+    with the decode tiles up to the build's limit and with none (0), the two alternating
+    pass by pass; the fastest pass of each."""
     generator = torch.Generator().manual_seed(0)
     weights = [native_linear.pack(torch.randn(out, inp, generator=generator) * 0.02)
                for out, inp in shapes]
-    xs = [torch.randn(rows, w.shape[1], generator=generator) for w in weights]
+    xs = [torch.randn(DECODE_TILE_ROWS, w.shape[1], generator=generator) for w in weights]
     functions = [functools.partial(native_linear.linear, packed=w, bias=None,
                                    out_features=w.shape[0] * native_linear.LANES)
                  for w in weights]
@@ -223,26 +243,28 @@ def native_decode_rows(threads: int | None = None) -> int:
     limit = native_linear.max_decode_rows()
     if os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0" or limit == 0:
         return limit
-    path = decode_tiles_path(threads)
-    entry = current_decode_tiles(path)
-    if entry is None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            entry = current_decode_tiles(path)
-            if entry is None:
-                seconds = measure_decode_tiles(list(PROBE_SHAPES), threads)
-                entry = write_decode_tiles(threads, seconds, "probe")
-                logger.info("native decode tiles: probed %s -> up to %d rows",
-                            {k: round(v * 1e3, 3) for k, v in seconds.items()},
-                            entry["decode_rows"])
+
+    def probe() -> dict:
+        seconds = measure_decode_tiles(list(PROBE_SHAPES), threads)
+        entry = write_decode_tiles(threads, seconds, "probe")
+        logger.info("native decode tiles: probed %s -> up to %d rows",
+                    {k: round(v * 1e3, 3) for k, v in seconds.items()}, entry["decode_rows"])
+        return entry
+
+    entry = measured_once(decode_tiles_path(threads), lambda: current_decode_tiles(threads),
+                          probe)
     return min(int(entry["decode_rows"]), limit)
 
 
-def current_decode_tiles(path: Path) -> dict | None:
+def read_decode_tiles(threads: int) -> dict | None:
+    entry = read_json(decode_tiles_path(threads))
+    return entry if entry is not None and "decode_rows" in entry else None
+
+
+def current_decode_tiles(threads: int) -> dict | None:
     """The stored decode-tile choice if this build of the kernel measured it (a changed
     kernel is measured again)."""
-    entry = read_json(path)
+    entry = read_decode_tiles(threads)
     return entry if entry and entry.get("kernel") == native_linear.build_name() else None
 
 
@@ -251,20 +273,8 @@ def write_decode_tiles(threads: int, seconds: dict[int, float], source: str) -> 
              "kernel": native_linear.build_name(),
              "seconds": {str(k): v for k, v in seconds.items()},
              "decode_rows": choose_decode_rows(seconds)}
-    path = decode_tiles_path(threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(f".{os.getpid()}.tmp")
-    temporary.write_text(json.dumps(entry, indent=1))
-    temporary.replace(path)
+    write_json(decode_tiles_path(threads), entry)
     return entry
-
-
-def read_json(path: Path) -> dict | None:
-    try:
-        entry = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return entry if isinstance(entry, dict) and "decode_rows" in entry else None
 
 
 def static_choice() -> str:
@@ -290,20 +300,19 @@ def auto_choice(threads: int | None = None) -> str:
     threads = threads or torch.get_num_threads()
     if os.environ.get("TOKENMILL_AUTO_TUNE", "1") == "0":
         return static_choice()
-    entry = read_table(threads)
-    if is_current(entry):
-        return entry["choice"]
-    path = table_path(threads)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        entry = read_table(threads)  # another process may have measured meanwhile
-        if not is_current(entry):
-            seconds = measure(list(PROBE_SHAPES), PROBE_ROWS, threads, repeats=3)
-            entry = {"source": "probe", "threads": threads, "choice": choose(seconds),
-                     "seconds": seconds}
-            write_table(threads, entry)
-            logger.info("cpu_blas auto: probed %s at %d threads -> %s (tokenmill tune "
-                        "measures the model's own shapes)", list(seconds), threads,
-                        entry["choice"])
-    return entry["choice"]
+
+    def current() -> dict | None:
+        entry = read_table(threads)
+        return entry if is_current(entry) else None
+
+    def probe() -> dict:
+        seconds = measure(list(PROBE_SHAPES), PROBE_ROWS, threads, repeats=3)
+        entry = {"source": "probe", "threads": threads, "choice": choose(seconds),
+                 "seconds": seconds}
+        write_table(threads, entry)
+        logger.info("cpu_blas auto: probed %s at %d threads -> %s (tokenmill tune "
+                    "measures the model's own shapes)", list(seconds), threads,
+                    entry["choice"])
+        return entry
+
+    return measured_once(table_path(threads), current, probe)["choice"]

@@ -92,8 +92,9 @@ constexpr int64_t kPanel = TM_PANEL;
 #define TM_PREFETCH_NEXT 1
 #endif
 // How far ahead (in columns: one 64-byte line of each block's stream) a chunk's first
-// row tile fetches its own weights: a decode step's products 1.05-1.1x at 1-32 rows
-// (docs/BENCHMARKS.md); 0 builds the tile without it.
+// row tile fetches its own weights: a decode step's products 1.05-1.1x at 4-32 rows on
+// a Zen 4 host, and the wide tile's 8 rows 1.14x on an Intel one (docs/BENCHMARKS.md);
+// 0 builds the tile without it.
 #ifndef TM_STREAM_AHEAD
 #define TM_STREAM_AHEAD 64
 #endif
