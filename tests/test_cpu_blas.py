@@ -167,6 +167,39 @@ def test_decode_sized_tiles_equal_the_wide_ones_bit_for_bit(threads, rows):
 
 
 @needs_native
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [16, 17, 40, 300])
+def test_products_of_rows_packed_by_tile_equal_each_row_alone_bit_for_bit(threads, rows):
+    """From 16 rows the kernel reads x repacked tile by tile (a tile's rows interleaved)
+    and later row tiles fetch the next chunk a stream each; every output still sums its
+    columns in the same order, so each row equals that row multiplied alone (unpacked,
+    the wide tile): uneven tiles, two panels of rows at 300, two column chunks, bias,
+    the fused activation too."""
+    torch.manual_seed(rows)
+    in_features, out_features, intermediate = 600, 1000, 400
+    weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
+    gate_up = torch.randn(2 * intermediate, in_features) * 0.2
+    x = torch.randn(rows, in_features)
+    packed, packed_gate_up = native_linear.pack(weight), native_linear.pack(gate_up)
+    padded = native_linear.padded_bias(bias, packed)
+    previous, limit = torch.get_num_threads(), native_linear.decode_rows()
+    torch.set_num_threads(threads)
+    try:
+        native_linear.set_decode_rows(0)
+        whole = native_linear.linear(x, packed, padded, out_features)
+        whole_act = native_linear.linear_silu_mul(x, packed_gate_up, None, 2 * intermediate)
+        alone = torch.cat([native_linear.linear(x[i:i + 1], packed, padded, out_features)
+                           for i in range(rows)])
+        alone_act = torch.cat([native_linear.linear_silu_mul(
+            x[i:i + 1], packed_gate_up, None, 2 * intermediate) for i in range(rows)])
+    finally:
+        torch.set_num_threads(previous)
+        native_linear.set_decode_rows(limit)
+    assert torch.equal(whole, alone) and torch.equal(whole_act, alone_act)
+    torch.testing.assert_close(whole, x @ weight.t() + bias, atol=1e-4, rtol=1e-4)
+
+
+@needs_native
 def test_the_decode_tile_limit_is_checked():
     with pytest.raises(RuntimeError, match="decode rows must be 0"):
         native_linear.set_decode_rows(native_linear.max_decode_rows() + 1)

@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
+#include <vector>
 
 #include "vec_math.h"
 
@@ -95,6 +97,12 @@ constexpr int64_t kPanel = TM_PANEL;
 // row tile fetches its own weights: a decode step's products 1.05-1.1x at 4-32 rows on
 // a Zen 4 host, and the wide tile's 8 rows 1.14x on an Intel one (docs/BENCHMARKS.md);
 // 0 builds the tile without it.
+#ifndef TM_PACK_ROWS  // products of this many rows or more read x packed by row tiles
+#define TM_PACK_ROWS 16
+#endif
+#ifndef TM_ONE_STREAM
+#define TM_ONE_STREAM 1
+#endif
 #ifndef TM_STREAM_AHEAD
 #define TM_STREAM_AHEAD 64
 #endif
@@ -121,11 +129,47 @@ inline void pin(vf& v) {
 inline void store(float* p, const vf& v) { std::memcpy(p, &v, sizeof v); }
 
 struct Problem {
-  const float* x;       // [M][K]
+  const float* x;       // [M][K], or packed by row tiles (pack_rows)
   const float* w;       // [blocks][K][16]
   const float* bias;    // [blocks * 16], or null
   int64_t M, K;
+  bool packed = false;
 };
+
+// The rows of row tile t of `tiles` over `rows` rows (`done` rows before it): tiles of
+// even sizes (or full tiles, then the rest).
+template <int RowTile>
+inline int64_t tile_rows(int64_t rows, int64_t tiles, int64_t t, int64_t done) {
+  return TM_EVEN_TILES ? rows / tiles + (t < rows % tiles)
+                       : std::min<int64_t>(RowTile, rows - done);
+}
+
+// x [M][K] with each row tile's rows interleaved, as `group` splits every panel into
+// tiles: a tile of `size` rows from row r on holds [K][size] at out + r * K. A tile's
+// loop then reads its rows' column k from one line at a fixed offset instead of from
+// `size` rows K floats apart (fewer address operations beside the multiply-adds).
+template <int RowTile>
+void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
+  std::vector<std::pair<int64_t, int64_t>> spans;  // (first row, rows) of every tile
+  for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
+    const int64_t rows = std::min(M, m0 + kPanel) - m0;
+    const int64_t tiles = (rows + RowTile - 1) / RowTile;
+    for (int64_t t = 0, done = 0; t < tiles; ++t) {
+      const int64_t size = tile_rows<RowTile>(rows, tiles, t, done);
+      spans.emplace_back(m0 + done, size);
+      done += size;
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [r, size] = spans[i];
+      const float* src = x + r * K;
+      float* dst = out + r * K;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t m = 0; m < size; ++m) dst[k * size + m] = src[m * K + k];
+    }
+  });
+}
 
 // The vectors a group of tiles computes: vector j's channels start at float w[j] of
 // the packed weight (its block's stream, plus its lane offset in the block's columns)
@@ -169,6 +213,10 @@ struct Prefetch {
   // row tile reads its weights from memory, and the hardware's prefetcher alone left it
   // waiting on them (the rest of the chunk's tiles read them from L2).
   int64_t own = 0;
+  // Or one stream of the next chunk, a line every column (its first column's address):
+  // no checks in the tile's loop (they cost 7% of a 512-row product's rate on an Intel
+  // host: docs/BENCHMARKS.md).
+  const float* one = nullptr;
 };
 
 // The column streams of a group's vectors from column k on (one per block: vectors in
@@ -200,7 +248,7 @@ __attribute__((noinline)) void activate(const float* sums, const Sink& sink) {
 // start from the bias (first chunk) or the partial sums, and go back to the sink. Out
 // of line: inlined into the product's loops, GCC kept the AVX2 tile's accumulators in
 // memory (2.5x slower); with AVX-512 the two measured alike.
-template <int MR, int V>
+template <int MR, int V, bool Checked, bool Packed>
 __attribute__((noinline)) void tile(const Problem& p, const Slots& s, const float* x,
                                     const Sink& sink, int64_t k0, int64_t k1,
                                     const Prefetch& ahead) {
@@ -214,14 +262,18 @@ __attribute__((noinline)) void tile(const Problem& p, const Slots& s, const floa
   }
   const float* w[V];
   for (int j = 0; j < V; ++j) w[j] = p.w + s.w[j] + k0 * kLanes;
+  // Without checks, a line every column: the next chunk's stream, or else the tile's own
+  // current line (in L1 by then: a fetch that costs a load and nothing else).
+  const float* one = ahead.one ? ahead.one - k0 * kLanes : w[0] - k0 * kLanes;
   int countdown = ahead.phase;
   for (int64_t k = k0; k < k1; ++k) {
-    if (ahead.lines && countdown-- == 0) {
+    if (!Checked) __builtin_prefetch(one + k * kLanes, 0, 2);
+    if (Checked && ahead.lines && countdown-- == 0) {
       countdown = ahead.every - 1;
       for (int j = 0; j < ahead.lines; ++j)
         __builtin_prefetch(ahead.w[j] + (k - k0) * kLanes, 0, 2);
     }
-    if (ahead.own) {
+    if (Checked && ahead.own) {
       for (int j = 0; j < V; ++j)
         if (s.w[j] % kLanes == 0) __builtin_prefetch(w[j] + (k - k0 + ahead.own) * kLanes, 0, 2);
     }
@@ -231,7 +283,7 @@ __attribute__((noinline)) void tile(const Problem& p, const Slots& s, const floa
       pin(wk[j]);
     }
     for (int m = 0; m < MR; ++m) {
-      const float xm = x[m * p.K + k];
+      const float xm = Packed ? x[k * MR + m] : x[m * p.K + k];
       for (int j = 0; j < V; ++j) acc[m][j] += xm * wk[j];
     }
   }
@@ -249,7 +301,15 @@ template <int V, int MR>
 void rows_tail(const Problem& p, const Slots& s, const float* x, const Sink& sink,
                int64_t rows, int64_t k0, int64_t k1, const Prefetch& ahead) {
   if constexpr (MR > 0) {
-    if (rows == MR) return tile<MR, V>(p, s, x, sink, k0, k1, ahead);
+    if (rows == MR) {
+      const bool plain = ahead.one || (!ahead.lines && !ahead.own);
+      if (p.packed) {
+        if (plain) return tile<MR, V, false, true>(p, s, x, sink, k0, k1, ahead);
+        return tile<MR, V, true, true>(p, s, x, sink, k0, k1, ahead);
+      }
+      if (plain) return tile<MR, V, false, false>(p, s, x, sink, k0, k1, ahead);
+      return tile<MR, V, true, false>(p, s, x, sink, k0, k1, ahead);
+    }
     rows_tail<V, MR - 1>(p, s, x, sink, rows, k0, k1, ahead);
   }
 }
@@ -268,17 +328,21 @@ void group(const Problem& p, const Slots& s, int64_t m_begin, int64_t m_end, con
     const Prefetch after = k1 < p.K ? streams(p.w, s, V, k1) : next;
     int64_t done = 0;
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t size = TM_EVEN_TILES ? rows / tiles + (t < rows % tiles)
-                                         : std::min<int64_t>(RowTile, rows - done);
+      const int64_t size = tile_rows<RowTile>(rows, tiles, t, done);
       // The first row tile fetches its own streams ahead; row tiles 1 .. tiles - 1 share
       // out the next chunk's columns (none with one tile: a lone row tile streams from
       // memory anyway, and fetching the next chunk measured slower).
       Prefetch ahead;
       if (t == 0) ahead.own = TM_STREAM_AHEAD;
       if (TM_PREFETCH_NEXT && tiles > 1 && t > 0 && after.lines > 0) {
-        ahead = after;
-        ahead.every = static_cast<int>(tiles - 1);
-        ahead.phase = static_cast<int>(t - 1);
+        if (TM_ONE_STREAM && tiles - 1 >= after.lines) {
+          // A stream each for the first tiles after the first, none for the rest.
+          if (t - 1 < after.lines) ahead.one = after.w[t - 1];
+        } else {
+          ahead = after;
+          ahead.every = static_cast<int>(tiles - 1);
+          ahead.phase = static_cast<int>(t - 1);
+        }
       }
       rows_tail<V, RowTile>(p, s, p.x + (m_begin + done) * p.K, sink.rows_on(done), size, k0,
                             k1, ahead);
