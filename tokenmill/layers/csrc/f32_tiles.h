@@ -97,14 +97,23 @@ constexpr int64_t kPanel = TM_PANEL;
 // row tile fetches its own weights: a decode step's products 1.05-1.1x at 4-32 rows on
 // a Zen 4 host, and the wide tile's 8 rows 1.14x on an Intel one (docs/BENCHMARKS.md);
 // 0 builds the tile without it.
-#ifndef TM_PACK_ROWS  // products of this many rows or more read x packed by row tiles
-#define TM_PACK_ROWS 16
+#ifndef TM_STREAM_AHEAD
+#define TM_STREAM_AHEAD 64
 #endif
+// Row tiles after a chunk's first that fetch the next chunk (TM_PREFETCH_NEXT) take one
+// of its streams each, a line every column with no test in the loop, where there are
+// as many of them as streams (32 rows and more with AVX-512); otherwise the fetches
+// are shared out column by column, which the loop tests for. The tests cost 7-13% of a
+// cached product's rate at 32-512 rows on an Intel host (docs/BENCHMARKS.md). 0 builds
+// the shared-out fetches only.
 #ifndef TM_ONE_STREAM
 #define TM_ONE_STREAM 1
 #endif
-#ifndef TM_STREAM_AHEAD
-#define TM_STREAM_AHEAD 64
+// Products of this many rows or more first repack x tile by tile (pack_rows), so that
+// a tile reads its rows' column k from one line; fewer rows (a decode step's, bound by
+// the weights' memory) read x in place. An Intel host's 32-512-row steps 1.5-4%.
+#ifndef TM_PACK_ROWS
+#define TM_PACK_ROWS 16
 #endif
 // Row tiles of even sizes: a product's rows split into as few tiles as kRowTile allows,
 // each within one row of the others (32 rows under AVX2: 6 6 5 5 5 5, not 6 6 6 6 6 2).
