@@ -1,7 +1,8 @@
-"""The native float32 kernel against oneDNN per layer shape and row count (GFLOP/s).
+"""The native float32 kernel against oneDNN and torch per layer shape and row count (GFLOP/s).
 
 The Qwen2.5-0.5B shape's gate/up, down and QKV products at each --rows count, best of
-several calls each, both libraries on the same random weights. --panels builds the
+several calls each, every library on the same random weights (torch: the plain weight,
+MKL). --panels builds the
 native kernel once per row-panel size (the kernel's TM_PANEL; a size above the rows
 means no panels) and reports each beside oneDNN; --builds takes any other compile-time
 settings, one build per argument (e.g. "TM_CHUNK=128 TM_PANEL=64").
@@ -44,6 +45,10 @@ def in_turn(kernel, x, weights, *rest) -> None:
 
 def onednn_call(x, weight, _unused) -> None:
     cpu_blas.onednn_linear(x, weight)
+
+
+def torch_call(x, weight, _unused) -> None:
+    torch.mm(x, weight.t())
 
 
 def model_pass(kernels: dict, rows_list: list[int], passes: int) -> None:
@@ -98,7 +103,7 @@ def main() -> None:
     if args.model_pass:
         return model_pass(kernels, [int(rows) for rows in args.rows.split(",")], args.passes)
     print("out x in, rows: " + ", ".join(f"native {b}" for b in kernels)
-          + ", oneDNN (GFLOP/s)")
+          + (", oneDNN" if cpu_blas.onednn_available() else "") + ", torch (GFLOP/s)")
     for out_features, in_features in SHAPES:
         weights = [torch.randn(out_features, in_features) for _ in range(args.copies)]
         packed = [native_linear.pack(weight) for weight in weights]
@@ -111,6 +116,7 @@ def main() -> None:
                      for k in kernels.values()]
             if onednn is not None:
                 calls.append(functools.partial(in_turn, onednn_call, x, onednn, None))
+            calls.append(functools.partial(in_turn, torch_call, x, weights, None))
             rates = [best_rate(call, flops) for call in calls]
             print(f"{out_features} x {in_features}, {rows}: "
                   + ", ".join(f"{r:.1f}" for r in rates), flush=True)

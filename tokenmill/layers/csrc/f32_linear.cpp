@@ -96,13 +96,7 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   // The decode tile where it leaves every thread four groups or more.
   const bool decode = p.M <= decode_rows &&
                       blocks >= 4 * kDecodeBlockTile * at::get_num_threads();
-  torch::Tensor rows;
-  if (!decode && p.M >= TM_PACK_ROWS) {
-    rows = torch::empty_like(x);
-    pack_rows<kRowTile>(p.x, p.M, p.K, rows.data_ptr<float>());
-    p.x = rows.data_ptr<float>();
-    p.packed = true;
-  }
+  const torch::Tensor rows = decode ? torch::Tensor() : packed_rows<kRowTile>(p);
   const int tile = decode ? kDecodeBlockTile : kBlockTile;
   const int64_t groups = (blocks + tile - 1) / tile;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
@@ -130,13 +124,7 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
 // silu(gate) * up into o [M][width] in tiles of UnitTile units x RowTile rows.
 template <int UnitTile, int RowTile>
 void fused(Problem p, float* o, int64_t width) {
-  torch::Tensor rows;
-  if (p.M >= TM_PACK_ROWS) {
-    rows = torch::empty({p.M, p.K}, torch::kFloat32);
-    pack_rows<RowTile>(p.x, p.M, p.K, rows.data_ptr<float>());
-    p.x = rows.data_ptr<float>();
-    p.packed = true;
-  }
+  const torch::Tensor rows = packed_rows<RowTile>(p);
   const int64_t units = width / kVec, groups = (units + UnitTile - 1) / UnitTile;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     // The partial sums of one group over one panel of rows.

@@ -180,6 +180,18 @@ void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
   });
 }
 
+// From TM_PACK_ROWS rows: x packed by RowTile's tiles, p pointed at it (the tensor holds
+// the packed rows while p is in use); fewer rows stay in place (an undefined tensor).
+template <int RowTile>
+torch::Tensor packed_rows(Problem& p) {
+  if (p.M < TM_PACK_ROWS) return {};
+  auto rows = torch::empty({p.M, p.K}, torch::kFloat32);
+  pack_rows<RowTile>(p.x, p.M, p.K, rows.data_ptr<float>());
+  p.x = rows.data_ptr<float>();
+  p.packed = true;
+  return rows;
+}
+
 // The vectors a group of tiles computes: vector j's channels start at float w[j] of
 // the packed weight (its block's stream, plus its lane offset in the block's columns)
 // and at b[j] of the bias. Adjacent for a plain product; gate units then their up
@@ -223,8 +235,7 @@ struct Prefetch {
   // waiting on them (the rest of the chunk's tiles read them from L2).
   int64_t own = 0;
   // Or one stream of the next chunk, a line every column (its first column's address):
-  // no checks in the tile's loop (they cost 7% of a 512-row product's rate on an Intel
-  // host: docs/BENCHMARKS.md).
+  // no checks in the tile's loop (TM_ONE_STREAM).
   const float* one = nullptr;
 };
 
