@@ -11,6 +11,10 @@ settings, one build per argument (e.g. "TM_CHUNK=128 TM_PANEL=64").
     python benchmarks/bench_native_rows.py --builds TM_CHUNK=256 TM_CHUNK=128
     python benchmarks/bench_native_rows.py --rows 1,8 --copies 8    # weights from memory
     python benchmarks/bench_native_rows.py --rows 1,8 --model-pass --builds A B
+    python benchmarks/bench_native_rows.py --rows 512 --fused --builds A B
+
+--fused adds each build's gate/up product with the activation in its epilogue (the
+engine's gated MLP call) after the plain columns, gate/up rows only.
 
 --model-pass times every product of one decode step of the 0.5B shape instead (24 x
 QKV, o, gate/up, down, then the 151936-row LM head; 2 GB of weights in huge pages,
@@ -93,6 +97,8 @@ def main() -> None:
     parser.add_argument("--model-pass", action="store_true",
                         help="time a decode step's products of the 0.5B shape per build")
     parser.add_argument("--passes", type=int, default=12)
+    parser.add_argument("--fused", action="store_true",
+                        help="also each build's gate/up product with its activation fused")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     builds = args.builds or [f"TM_PANEL={int(panel)}" for panel in args.panels.split(",")]
@@ -103,6 +109,7 @@ def main() -> None:
     if args.model_pass:
         return model_pass(kernels, [int(rows) for rows in args.rows.split(",")], args.passes)
     print("out x in, rows: " + ", ".join(f"native {b}" for b in kernels)
+          + ("" if not args.fused else ", then fused (gate/up only)")
           + (", oneDNN" if cpu_blas.onednn_available() else "") + ", torch (GFLOP/s)")
     for out_features, in_features in SHAPES:
         weights = [torch.randn(out_features, in_features) for _ in range(args.copies)]
@@ -114,6 +121,9 @@ def main() -> None:
             flops = 2.0 * rows * out_features * in_features * args.copies
             calls = [functools.partial(in_turn, k.f32_linear, x, packed, None, out_features)
                      for k in kernels.values()]
+            if args.fused and out_features == SHAPES[0][0]:
+                calls += [functools.partial(in_turn, k.f32_linear_silu_mul, x, packed, None,
+                                            out_features) for k in kernels.values()]
             if onednn is not None:
                 calls.append(functools.partial(in_turn, onednn_call, x, onednn, None))
             calls.append(functools.partial(in_turn, torch_call, x, weights, None))

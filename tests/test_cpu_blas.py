@@ -168,7 +168,7 @@ def test_decode_sized_tiles_equal_the_wide_ones_bit_for_bit(threads, rows):
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [16, 17, 40, 300])
+@pytest.mark.parametrize("rows", [16, 17, 40, 300, 1030])
 def test_products_of_rows_packed_by_tile_equal_each_row_alone_bit_for_bit(threads, rows):
     """From 16 rows the kernel reads x repacked tile by tile (a tile's rows interleaved)
     and later row tiles fetch the next chunk a stream each; every output still sums its

@@ -10,7 +10,8 @@
 // in chunks of kChunk so a tile's weights stay in L1/L2 while every row tile of the
 // product passes over them (one row: NB streams and sums per thread, ~2x one block at a
 // time). The work is split over torch's threads by groups of blocks (contiguous memory
-// per thread). GCC vector types keep it portable: one AVX-512 register per block, or
+// per thread), from two row panels on by panels and groups; products of many rows run
+// a slice of rows at a time (in_slices). GCC vector types keep it portable: one AVX-512 register per block, or
 // two 8-lane halves (AVX2) without. Sums differ from a BLAS's by rounding only.
 //
 // f32_linear_silu_mul: a gated MLP's gate/up product with its activation in the
@@ -61,6 +62,81 @@ int pair_slots(int64_t g, int unit_tile, int64_t units, int64_t K, Slots& s) {
   return 2 * count;
 }
 
+// x [M][K] with each row tile's rows interleaved, as `group` splits every panel into
+// tiles: a tile of `size` rows from row r on holds [K][size] at out + r * K. A tile's
+// loop then reads its rows' column k from one line at a fixed offset instead of from
+// `size` rows K floats apart (fewer address operations beside the multiply-adds).
+template <int RowTile>
+void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
+  std::vector<std::pair<int64_t, int64_t>> spans;  // (first row, rows) of every tile
+  for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
+    const int64_t rows = std::min(M, m0 + kPanel) - m0;
+    const int64_t tiles = (rows + RowTile - 1) / RowTile;
+    for (int64_t t = 0, done = 0; t < tiles; ++t) {
+      const int64_t size = tile_rows<RowTile>(rows, tiles, t, done);
+      spans.emplace_back(m0 + done, size);
+      done += size;
+    }
+  }
+  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const auto [r, size] = spans[i];
+      const float* src = x + r * K;
+      float* dst = out + r * K;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t m = 0; m < size; ++m) dst[k * size + m] = src[m * K + k];
+    }
+  });
+}
+
+// body(q) for each slice of p's rows, TM_SLICE_ROWS at a time (0: all at once): q.x its
+// rows, q.M their count, q.row0 the first. From TM_PACK_ROWS rows and with `pack`, a
+// slice's rows are first packed by RowTile's tiles into one buffer that every slice
+// reuses. A slice keeps the packed rows and the output it writes cache-sized.
+template <int RowTile, typename Body>
+void in_slices(const Problem& p, bool pack, const Body& body) {
+  const int64_t slice = TM_SLICE_ROWS > 0 ? TM_SLICE_ROWS : std::max<int64_t>(p.M, 1);
+  torch::Tensor buffer;
+  for (int64_t r0 = 0; r0 < p.M; r0 += slice) {
+    Problem q = p;
+    q.x = p.x + r0 * p.K;
+    q.M = std::min(slice, p.M - r0);
+    q.row0 = r0;
+    if (pack && q.M >= TM_PACK_ROWS) {
+      if (!buffer.defined()) buffer = torch::empty({q.M * q.K}, torch::kFloat32);
+      pack_rows<RowTile>(q.x, q.M, q.K, buffer.data_ptr<float>());
+      q.x = buffer.data_ptr<float>();
+      q.packed = true;
+    }
+    body(q);
+  }
+}
+
+// fn(m0, m1, g, after) for every panel of rows [m0, m1) and group g of `groups`, split
+// over torch's threads as one list, panel by panel; `after` is the group the thread takes
+// next (-1: none), whose first columns fn fetches ahead. A thread's share is contiguous:
+// from two panels on, threads take whole panels where the groups alone would split
+// unevenly (a down projection's 56 blocks make 19 groups of 3: 10 for one thread, 9 for
+// the other).
+template <typename Fn>
+void panels_and_groups(int64_t M, int64_t groups, const Fn& fn) {
+  const int64_t panels = (M + kPanel - 1) / kPanel;
+  if (!TM_SPLIT_PANELS) {
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t m0 = 0; m0 < M; m0 += kPanel)
+        for (int64_t g = begin; g < end; ++g)
+          fn(m0, std::min(M, m0 + kPanel), g, g + 1 < end ? g + 1 : -1);
+    });
+    return;
+  }
+  at::parallel_for(0, panels * groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t m0 = i / groups * kPanel;
+      fn(m0, std::min(M, m0 + kPanel), i % groups, i + 1 < end ? (i + 1) % groups : -1);
+    }
+  });
+}
+
 void check_product(const torch::Tensor& x, const torch::Tensor& packed,
                    const c10::optional<torch::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "x must be float32 [M, K]");
@@ -96,26 +172,22 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   // The decode tile where it leaves every thread four groups or more.
   const bool decode = p.M <= decode_rows &&
                       blocks >= 4 * kDecodeBlockTile * at::get_num_threads();
-  const torch::Tensor rows = decode ? torch::Tensor() : packed_rows<kRowTile>(p);
   const int tile = decode ? kDecodeBlockTile : kBlockTile;
   const int64_t groups = (blocks + tile - 1) / tile;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < p.M; m0 += kPanel) {
-      const int64_t m1 = std::min(p.M, m0 + kPanel);
-      for (int64_t g = begin; g < end; ++g) {
-        Slots s, following;
-        const int vectors = adjacent_slots(g, tile, blocks, p.K, s);
-        const Prefetch next = g + 1 < end
-            ? streams(p.w, following, adjacent_slots(g + 1, tile, blocks, p.K, following), 0)
-            : Prefetch{};
-        const Sink sink{o + m0 * ldo + g * tile * kLanes, ldo};
-        if (decode)
-          group_tail<kDecodeBlockTile * kParts, kDecodeRowTile>(p, s, vectors, m0, m1, sink,
-                                                                next);
-        else
-          group_tail<kBlockTile * kParts, kRowTile>(p, s, vectors, m0, m1, sink, next);
-      }
-    }
+  in_slices<kRowTile>(p, !decode, [&](const Problem& q) {
+    float* const rows = o + q.row0 * ldo;
+    panels_and_groups(q.M, groups, [&](int64_t m0, int64_t m1, int64_t g, int64_t after) {
+      Slots s, following;
+      const int vectors = adjacent_slots(g, tile, blocks, q.K, s);
+      const Prefetch next = after >= 0
+          ? streams(q.w, following, adjacent_slots(after, tile, blocks, q.K, following), 0)
+          : Prefetch{};
+      const Sink sink{rows + m0 * ldo + g * tile * kLanes, ldo};
+      if (decode)
+        group_tail<kDecodeBlockTile * kParts, kDecodeRowTile>(q, s, vectors, m0, m1, sink, next);
+      else
+        group_tail<kBlockTile * kParts, kRowTile>(q, s, vectors, m0, m1, sink, next);
+    });
   });
   if (out_features == ldo) return out;
   return out.narrow(1, 0, out_features).contiguous();
@@ -123,25 +195,23 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
 
 // silu(gate) * up into o [M][width] in tiles of UnitTile units x RowTile rows.
 template <int UnitTile, int RowTile>
-void fused(Problem p, float* o, int64_t width) {
-  const torch::Tensor rows = packed_rows<RowTile>(p);
+void fused(const Problem& p, float* o, int64_t width) {
   const int64_t units = width / kVec, groups = (units + UnitTile - 1) / UnitTile;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    // The partial sums of one group over one panel of rows.
-    std::vector<float> partial(kPanel * 2 * UnitTile * kVec);
-    for (int64_t m0 = 0; m0 < p.M; m0 += kPanel) {
-      const int64_t m1 = std::min(p.M, m0 + kPanel);
-      for (int64_t g = begin; g < end; ++g) {
-        Slots s, following;
-        const int vectors = pair_slots(g, UnitTile, units, p.K, s);
-        const Prefetch next = g + 1 < end
-            ? streams(p.w, following, pair_slots(g + 1, UnitTile, units, p.K, following), 0)
-            : Prefetch{};
-        const Sink sink{partial.data(), vectors * kVec, o + m0 * width + g * UnitTile * kVec,
-                        width};
-        group_tail<2 * UnitTile, RowTile>(p, s, vectors, m0, m1, sink, next);
-      }
-    }
+  in_slices<RowTile>(p, true, [&](const Problem& q) {
+    float* const rows = o + q.row0 * width;
+    panels_and_groups(q.M, groups, [&](int64_t m0, int64_t m1, int64_t g, int64_t after) {
+      // The partial sums of one group over one panel of rows, a buffer per thread.
+      thread_local std::vector<float> partial;
+      partial.resize(kPanel * 2 * UnitTile * kVec);
+      Slots s, following;
+      const int vectors = pair_slots(g, UnitTile, units, q.K, s);
+      const Prefetch next = after >= 0
+          ? streams(q.w, following, pair_slots(after, UnitTile, units, q.K, following), 0)
+          : Prefetch{};
+      const Sink sink{partial.data(), vectors * kVec, rows + m0 * width + g * UnitTile * kVec,
+                      width};
+      group_tail<2 * UnitTile, RowTile>(q, s, vectors, m0, m1, sink, next);
+    });
   });
 }
 

@@ -51,7 +51,11 @@ constexpr int kVec = 16;
 #endif
 constexpr int kRowTile = TM_ROW_TILE, kBlockTile = TM_BLOCK_TILE;
 constexpr int kDecodeRowTile = 4, kDecodeBlockTile = 6;
-constexpr int kUnitTile = 2, kFusedRowTile = 6, kFewUnitTile = 3, kFewRowTile = 4;
+#ifndef TM_UNIT_TILE  // the fused activation's: 12 or 14 rows x 1 unit measured level
+#define TM_UNIT_TILE 2
+#define TM_FUSED_ROW_TILE 6
+#endif
+constexpr int kUnitTile = TM_UNIT_TILE, kFusedRowTile = TM_FUSED_ROW_TILE, kFewUnitTile = 3, kFewRowTile = 4;
 #else
 constexpr int kVec = 8;
 constexpr int kRowTile = 6, kBlockTile = 1;  // 6 x 1 x 2 halves + 2 + a broadcast of 16
@@ -115,6 +119,21 @@ constexpr int64_t kPanel = TM_PANEL;
 #ifndef TM_PACK_ROWS
 #define TM_PACK_ROWS 16
 #endif
+// Products of more rows run a slice of this many at a time (a multiple of kPanel; 0:
+// all at once), each slice's rows packed into one buffer that the slices reuse: the
+// rows a thread reads again for every block group then come from a 10 MB buffer, not
+// from a 40 MB one that leaves the last-level cache (a 2048-row down projection, K =
+// 4864, 1.2x on an Intel host with TM_SPLIT_PANELS; docs/BENCHMARKS.md).
+#ifndef TM_SLICE_ROWS
+#define TM_SLICE_ROWS 512
+#endif
+// From two row panels on, the threads split panels x block groups as one list (whole
+// panels each where they can) rather than the groups alone: a down projection's 56
+// blocks make 19 groups of 3, 10 for one thread and 9 for the other. 0 builds the split
+// by groups alone (f32_linear.cpp's panels_and_groups).
+#ifndef TM_SPLIT_PANELS
+#define TM_SPLIT_PANELS 1
+#endif
 // Row tiles of even sizes: a product's rows split into as few tiles as kRowTile allows,
 // each within one row of the others (32 rows under AVX2: 6 6 5 5 5 5, not 6 6 6 6 6 2).
 // A small tail tile has too few accumulators to hide the multiply-add latency and runs
@@ -143,6 +162,7 @@ struct Problem {
   const float* bias;    // [blocks * 16], or null
   int64_t M, K;
   bool packed = false;
+  int64_t row0 = 0;  // the product's row that x's first row is (in_slices)
 };
 
 // The rows of row tile t of `tiles` over `rows` rows (`done` rows before it): tiles of
@@ -151,45 +171,6 @@ template <int RowTile>
 inline int64_t tile_rows(int64_t rows, int64_t tiles, int64_t t, int64_t done) {
   return TM_EVEN_TILES ? rows / tiles + (t < rows % tiles)
                        : std::min<int64_t>(RowTile, rows - done);
-}
-
-// x [M][K] with each row tile's rows interleaved, as `group` splits every panel into
-// tiles: a tile of `size` rows from row r on holds [K][size] at out + r * K. A tile's
-// loop then reads its rows' column k from one line at a fixed offset instead of from
-// `size` rows K floats apart (fewer address operations beside the multiply-adds).
-template <int RowTile>
-void pack_rows(const float* x, int64_t M, int64_t K, float* out) {
-  std::vector<std::pair<int64_t, int64_t>> spans;  // (first row, rows) of every tile
-  for (int64_t m0 = 0; m0 < M; m0 += kPanel) {
-    const int64_t rows = std::min(M, m0 + kPanel) - m0;
-    const int64_t tiles = (rows + RowTile - 1) / RowTile;
-    for (int64_t t = 0, done = 0; t < tiles; ++t) {
-      const int64_t size = tile_rows<RowTile>(rows, tiles, t, done);
-      spans.emplace_back(m0 + done, size);
-      done += size;
-    }
-  }
-  at::parallel_for(0, static_cast<int64_t>(spans.size()), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const auto [r, size] = spans[i];
-      const float* src = x + r * K;
-      float* dst = out + r * K;
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t m = 0; m < size; ++m) dst[k * size + m] = src[m * K + k];
-    }
-  });
-}
-
-// From TM_PACK_ROWS rows: x packed by RowTile's tiles, p pointed at it (the tensor holds
-// the packed rows while p is in use); fewer rows stay in place (an undefined tensor).
-template <int RowTile>
-torch::Tensor packed_rows(Problem& p) {
-  if (p.M < TM_PACK_ROWS) return {};
-  auto rows = torch::empty({p.M, p.K}, torch::kFloat32);
-  pack_rows<RowTile>(p.x, p.M, p.K, rows.data_ptr<float>());
-  p.x = rows.data_ptr<float>();
-  p.packed = true;
-  return rows;
 }
 
 // The vectors a group of tiles computes: vector j's channels start at float w[j] of
