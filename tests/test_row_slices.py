@@ -20,6 +20,8 @@ def test_slices_fill_a_third_of_the_cache_in_whole_row_tiles():
     # The 0.5B shape's gate/up output (9728 floats a row) in a 32 MB cache: 287 -> 256.
     assert auto_slice_rows(9728 * 4, cache_bytes=32 * 2**20) == 256
     assert auto_slice_rows(9728 * 4, cache_bytes=16 * 2**20) == 128
+    # A guest that reports its host's whole 480 MB L3 sizes slices to 64 MB of it.
+    assert auto_slice_rows(9728 * 4, cache_bytes=480 * 2**20) == 512
     # Never fewer than one step of rows, however wide the row or small the cache.
     assert auto_slice_rows(10**9, cache_bytes=2**20) == 64
     # Narrow rows: slices so large that no real batch is split.

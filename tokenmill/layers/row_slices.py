@@ -25,6 +25,11 @@ from torch import nn
 CACHE_SHARE = 3
 # Without a cache size to go by (no sysfs): the rows that fit a 32 MB L3.
 FALLBACK_BYTES = 32 * 2**20
+# The most cache a slice is sized to: a virtual machine may report its host's whole
+# last-level cache (480 MB on one Intel host, shared with every other guest), where
+# sized so 0.5B-shape prefill took no slices and ran 2-3% slower than in 512-row ones
+# (docs/BENCHMARKS.md).
+MAX_CACHE_BYTES = 64 * 2**20
 ROW_STEP = 64  # slices in multiples of 64 rows (whole row tiles of every kernel)
 
 
@@ -49,8 +54,9 @@ def last_level_cache_bytes() -> int:
 
 def auto_slice_rows(row_bytes: int, cache_bytes: int | None = None) -> int:
     """Rows per slice for an intermediate of `row_bytes` per row: as many as fit
-    1/CACHE_SHARE of the last-level cache, in multiples of ROW_STEP (at least one)."""
-    cache_bytes = cache_bytes or last_level_cache_bytes()
+    1/CACHE_SHARE of the last-level cache (at most MAX_CACHE_BYTES of it), in multiples
+    of ROW_STEP (at least one)."""
+    cache_bytes = min(cache_bytes or last_level_cache_bytes(), MAX_CACHE_BYTES)
     rows = cache_bytes // CACHE_SHARE // max(row_bytes, 1)
     return max(ROW_STEP, rows // ROW_STEP * ROW_STEP)
 
