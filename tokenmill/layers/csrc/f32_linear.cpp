@@ -39,21 +39,43 @@ namespace {
 // faster than the wide tile, on another 1.2x slower (docs/BENCHMARKS.md).
 int64_t decode_rows = kDecodeRows;
 
-// Group g of a plain product: blocks [g * tile, ...) while they last, a vector per kVec
-// lanes. Returns the vectors.
-int adjacent_slots(int64_t g, int tile, int64_t blocks, int64_t K, Slots& s) {
-  const int64_t b0 = g * tile;
-  const int count = static_cast<int>(std::min<int64_t>(tile, blocks - b0)) * kParts;
+// Groups of up to `tile` blocks (or fused units) of `items`, laid out as `shares` even
+// runs, one per thread, each run cut into groups from its start (its last may be
+// smaller, and a shorter run's last empty): each thread's share of a one-panel product
+// is even to a block. A down projection's 56 blocks in groups of 3 went 30 to one
+// thread and 26 to the other; now 28 each, 9 groups of 3 and one of 1.
+struct Groups {
+  int64_t items, tile, shares, per_share;
+
+  Groups(int64_t items, int64_t tile, int64_t shares)
+      : items(items), tile(tile), shares(shares),
+        per_share(((items + shares - 1) / shares + tile - 1) / tile) {}
+  int64_t count() const { return shares * per_share; }
+  int64_t first(int64_t g) const { return items * (g / per_share) / shares + g % per_share * tile; }
+  int64_t size(int64_t g) const {
+    const int64_t end = items * (g / per_share + 1) / shares;
+    return std::clamp<int64_t>(end - first(g), 0, tile);
+  }
+};
+
+Groups groups_of(int64_t items, int64_t tile) {
+  return {items, tile, TM_EVEN_SHARES ? std::max(1, at::get_num_threads()) : 1};
+}
+
+// Group g of a plain product: its blocks, a vector per kVec lanes. Returns the vectors.
+int adjacent_slots(const Groups& groups, int64_t g, int64_t K, Slots& s) {
+  const int64_t b0 = groups.first(g);
+  const int count = static_cast<int>(groups.size(g)) * kParts;
   for (int j = 0; j < count; ++j) s.set(j, b0 + j / kParts, (j % kParts) * kVec, K);
   return count;
 }
 
-// Group g of the fused activation: gate units [g * unit_tile, ...) of `units` (a unit:
-// kVec channels, `units / kParts` blocks of gates), then the up units of the same
-// channels (the up blocks follow the gate blocks). Returns the vectors.
-int pair_slots(int64_t g, int unit_tile, int64_t units, int64_t K, Slots& s) {
-  const int64_t u0 = g * unit_tile, gate_blocks = units / kParts;
-  const int count = static_cast<int>(std::min<int64_t>(unit_tile, units - u0));
+// Group g of the fused activation: its gate units of `units` (a unit: kVec channels,
+// `units / kParts` blocks of gates), then the up units of the same channels (the up
+// blocks follow the gate blocks). Returns the vectors.
+int pair_slots(const Groups& groups, int64_t g, int64_t K, Slots& s) {
+  const int64_t u0 = groups.first(g), gate_blocks = groups.items / kParts;
+  const int count = static_cast<int>(groups.size(g));
   for (int j = 0; j < count; ++j) {
     const int64_t u = u0 + j, lane = (u % kParts) * kVec;
     s.set(j, u / kParts, lane, K);
@@ -172,17 +194,16 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
   // The decode tile where it leaves every thread four groups or more.
   const bool decode = p.M <= decode_rows &&
                       blocks >= 4 * kDecodeBlockTile * at::get_num_threads();
-  const int tile = decode ? kDecodeBlockTile : kBlockTile;
-  const int64_t groups = (blocks + tile - 1) / tile;
+  const Groups groups = groups_of(blocks, decode ? kDecodeBlockTile : kBlockTile);
   in_slices<kRowTile>(p, !decode, [&](const Problem& q) {
     float* const rows = o + q.row0 * ldo;
-    panels_and_groups(q.M, groups, [&](int64_t m0, int64_t m1, int64_t g, int64_t after) {
+    panels_and_groups(q.M, groups.count(), [&](int64_t m0, int64_t m1, int64_t g, int64_t after) {
       Slots s, following;
-      const int vectors = adjacent_slots(g, tile, blocks, q.K, s);
+      const int vectors = adjacent_slots(groups, g, q.K, s);
       const Prefetch next = after >= 0
-          ? streams(q.w, following, adjacent_slots(after, tile, blocks, q.K, following), 0)
+          ? streams(q.w, following, adjacent_slots(groups, after, q.K, following), 0)
           : Prefetch{};
-      const Sink sink{rows + m0 * ldo + g * tile * kLanes, ldo};
+      const Sink sink{rows + m0 * ldo + groups.first(g) * kLanes, ldo};
       if (decode)
         group_tail<kDecodeBlockTile * kParts, kDecodeRowTile>(q, s, vectors, m0, m1, sink, next);
       else
@@ -196,19 +217,19 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
 // silu(gate) * up into o [M][width] in tiles of UnitTile units x RowTile rows.
 template <int UnitTile, int RowTile>
 void fused(const Problem& p, float* o, int64_t width) {
-  const int64_t units = width / kVec, groups = (units + UnitTile - 1) / UnitTile;
+  const Groups groups = groups_of(width / kVec, UnitTile);
   in_slices<RowTile>(p, true, [&](const Problem& q) {
     float* const rows = o + q.row0 * width;
-    panels_and_groups(q.M, groups, [&](int64_t m0, int64_t m1, int64_t g, int64_t after) {
+    panels_and_groups(q.M, groups.count(), [&](int64_t m0, int64_t m1, int64_t g, int64_t after) {
       // The partial sums of one group over one panel of rows, a buffer per thread.
       thread_local std::vector<float> partial;
       partial.resize(kPanel * 2 * UnitTile * kVec);
       Slots s, following;
-      const int vectors = pair_slots(g, UnitTile, units, q.K, s);
+      const int vectors = pair_slots(groups, g, q.K, s);
       const Prefetch next = after >= 0
-          ? streams(q.w, following, pair_slots(after, UnitTile, units, q.K, following), 0)
+          ? streams(q.w, following, pair_slots(groups, after, q.K, following), 0)
           : Prefetch{};
-      const Sink sink{partial.data(), vectors * kVec, rows + m0 * width + g * UnitTile * kVec,
+      const Sink sink{partial.data(), vectors * kVec, rows + m0 * width + groups.first(g) * kVec,
                       width};
       group_tail<2 * UnitTile, RowTile>(q, s, vectors, m0, m1, sink, next);
     });

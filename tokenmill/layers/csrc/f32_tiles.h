@@ -134,6 +134,11 @@ constexpr int64_t kPanel = TM_PANEL;
 #ifndef TM_SPLIT_PANELS
 #define TM_SPLIT_PANELS 1
 #endif
+// Block groups laid out per thread, each thread's run of blocks even to a block
+// (f32_linear.cpp's Groups); 0 builds one run for all threads.
+#ifndef TM_EVEN_SHARES
+#define TM_EVEN_SHARES 1
+#endif
 // Row tiles of even sizes: a product's rows split into as few tiles as kRowTile allows,
 // each within one row of the others (32 rows under AVX2: 6 6 5 5 5 5, not 6 6 6 6 6 2).
 // A small tail tile has too few accumulators to hide the multiply-add latency and runs
