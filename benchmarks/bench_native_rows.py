@@ -55,7 +55,7 @@ def torch_call(x, weight, _unused) -> None:
     torch.mm(x, weight.t())
 
 
-def model_pass(kernels: dict, rows_list: list[int], passes: int) -> None:
+def model_pass(kernels: dict, rows_list: list[int], passes: int, fused: bool) -> None:
     """Each build's time for one decode step's products, alternated pass by pass."""
     hidden, intermediate, vocab = 896, 4864, 151936
     shapes = [(1152, hidden), (hidden, hidden), (2 * intermediate, hidden),
@@ -70,7 +70,10 @@ def model_pass(kernels: dict, rows_list: list[int], passes: int) -> None:
         def one_pass(kernel, xs=xs) -> float:
             started = time.perf_counter()
             for weight, out, inp in packed:
-                kernel.f32_linear(xs[inp], weight, None, out)
+                if fused and out == 2 * intermediate:
+                    kernel.f32_linear_silu_mul(xs[inp], weight, None, out)
+                else:
+                    kernel.f32_linear(xs[inp], weight, None, out)
             return (time.perf_counter() - started) * 1e3
 
         times = {build: [] for build in kernels}
@@ -107,7 +110,8 @@ def main() -> None:
                                        *(f"-D{define}" for define in build.split())))
                for build in builds}
     if args.model_pass:
-        return model_pass(kernels, [int(rows) for rows in args.rows.split(",")], args.passes)
+        return model_pass(kernels, [int(rows) for rows in args.rows.split(",")], args.passes,
+                          args.fused)
     print("out x in, rows: " + ", ".join(f"native {b}" for b in kernels)
           + ("" if not args.fused else ", then fused (gate/up only)")
           + (", oneDNN" if cpu_blas.onednn_available() else "") + ", torch (GFLOP/s)")

@@ -251,7 +251,11 @@ torch::Tensor f32_linear_silu_mul(torch::Tensor x, torch::Tensor packed,
   // below 8 rows whatever the width).
   const bool few = p.M < fused_few_rows(decode_rows) &&
                    (kVec < kLanes || width / kVec >= 4 * kFewUnitTile * at::get_num_threads());
+  // AVX-512's wide fused tile where the host takes the wide tile (no decode tiles).
+  const bool wide = kWideFusedRows > 0 && decode_rows == 0 && p.M <= kWideFusedRows &&
+                    width / kVec >= 4 * kWideUnitTile * at::get_num_threads();
   if (few) fused<kFewUnitTile, kFewRowTile>(p, out.data_ptr<float>(), width);
+  else if (wide) fused<kWideUnitTile, kWideFusedRowTile>(p, out.data_ptr<float>(), width);
   else fused<kUnitTile, kFusedRowTile>(p, out.data_ptr<float>(), width);
   return out;
 }

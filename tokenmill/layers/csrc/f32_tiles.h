@@ -35,7 +35,10 @@ constexpr int kLanes = 16;  // a block's channels: the packed layout on every CP
 // on an Intel one). The fused activation's tiles take gate channels a vector
 // at a time ("units": a block with AVX-512, half a block without), each with the up
 // channels that pair with it: AVX-512, 6 rows x 2 units (6 x 4 accumulators), and
-// 4 x 3 up to 8 rows (at 10-12 rows neither won).
+// 4 x 3 up to 8 rows (at 10-12 rows neither won) where the decode tiles are taken;
+// where the wide tile is, 12 rows x 1 unit up to TM_WIDE_FUSED_ROWS rows (one tile of
+// up to 12 rows, two streams: a decode step's products 1.07x at 8 and 12 rows, 1.04x at
+// 16 and 32, level at 64, on an Intel host).
 // AVX2, 6 rows x 1 unit (the plain tile's 6 x 2 halves) from 8 rows on; below, where
 // the weights stream from memory, 2 rows x 2 units (a whole block's lines per stream:
 // half-block units read each line twice, and one row ran 1.4x slower so).
@@ -55,7 +58,12 @@ constexpr int kDecodeRowTile = 4, kDecodeBlockTile = 6;
 #define TM_UNIT_TILE 2
 #define TM_FUSED_ROW_TILE 6
 #endif
-constexpr int kUnitTile = TM_UNIT_TILE, kFusedRowTile = TM_FUSED_ROW_TILE, kFewUnitTile = 3, kFewRowTile = 4;
+constexpr int kUnitTile = TM_UNIT_TILE, kFusedRowTile = TM_FUSED_ROW_TILE;
+constexpr int kFewUnitTile = 3, kFewRowTile = 4, kWideUnitTile = 1, kWideFusedRowTile = 12;
+#ifndef TM_WIDE_FUSED_ROWS  // 0: none
+#define TM_WIDE_FUSED_ROWS 32
+#endif
+constexpr int64_t kWideFusedRows = TM_WIDE_FUSED_ROWS;
 #else
 constexpr int kVec = 8;
 constexpr int kRowTile = 6, kBlockTile = 1;  // 6 x 1 x 2 halves + 2 + a broadcast of 16
@@ -65,6 +73,8 @@ constexpr int kRowTile = 6, kBlockTile = 1;  // 6 x 1 x 2 halves + 2 + a broadca
 #endif
 constexpr int kDecodeRowTile = TM_DECODE_ROW_TILE, kDecodeBlockTile = TM_DECODE_BLOCK_TILE;
 constexpr int kUnitTile = 1, kFusedRowTile = 6, kFewUnitTile = 2, kFewRowTile = 2;
+constexpr int kWideUnitTile = 1, kWideFusedRowTile = 6;  // AVX2 has no wide fused tile
+constexpr int64_t kWideFusedRows = 0;
 #endif
 // Rows below which the fused activation takes its few-row tile, for products that take
 // the decode tiles up to `decode_rows` (AVX-512: 4 x 3 up to 8 rows; AVX2: below 8 rows
