@@ -151,7 +151,8 @@ def test_decode_sized_tiles_equal_the_wide_ones_bit_for_bit(threads, rows):
         products = native_linear.linear(x, packed_gate_up, None, 2 * intermediate)
         wide_act = native_linear.linear_silu_mul(x, packed_gate_up, None, 2 * intermediate)
         # A host that measured the wide tile faster takes it at every row count, and for
-        # the fused activation up to 32 rows 12 rows x 1 unit (the 16 rows: 2 x 3 units).
+        # the fused activation up to 32 rows 12 rows x 1 unit (the 16 rows above took
+        # 6 rows x 2 units).
         native_linear.set_decode_rows(0)
         no_tiles = native_linear.linear(x[:rows], packed, padded, out_features)
         no_tiles_act = native_linear.linear_silu_mul(x[:rows], packed_gate_up, None,

@@ -10,9 +10,10 @@
 // in chunks of kChunk so a tile's weights stay in L1/L2 while every row tile of the
 // product passes over them (one row: NB streams and sums per thread, ~2x one block at a
 // time). The work is split over torch's threads by groups of blocks (contiguous memory
-// per thread), from two row panels on by panels and groups; products of many rows run
-// a slice of rows at a time (in_slices). GCC vector types keep it portable: one AVX-512 register per block, or
-// two 8-lane halves (AVX2) without. Sums differ from a BLAS's by rounding only.
+// per thread, each thread's run even to a block), from two row panels on by panels and
+// groups; products of many rows run a slice of rows at a time (in_slices). GCC vector
+// types keep it portable: one AVX-512 register per block, or two 8-lane halves (AVX2)
+// without. Sums differ from a BLAS's by rounding only.
 //
 // f32_linear_silu_mul: a gated MLP's gate/up product with its activation in the
 // epilogue, silu(x Wg^T + bg) * (x Wu^T + bu) for a weight packed from [gate | up]
@@ -137,9 +138,8 @@ void in_slices(const Problem& p, bool pack, const Body& body) {
 // fn(m0, m1, g, after) for every panel of rows [m0, m1) and group g of `groups`, split
 // over torch's threads as one list, panel by panel; `after` is the group the thread takes
 // next (-1: none), whose first columns fn fetches ahead. A thread's share is contiguous:
-// from two panels on, threads take whole panels where the groups alone would split
-// unevenly (a down projection's 56 blocks make 19 groups of 3: 10 for one thread, 9 for
-// the other).
+// from two panels on, threads take whole panels, each its own panel of x (a 512-row
+// down projection 1.2x on an Intel host, docs/BENCHMARKS.md).
 template <typename Fn>
 void panels_and_groups(int64_t M, int64_t groups, const Fn& fn) {
   const int64_t panels = (M + kPanel - 1) / kPanel;

@@ -54,7 +54,7 @@ constexpr int kVec = 16;
 #endif
 constexpr int kRowTile = TM_ROW_TILE, kBlockTile = TM_BLOCK_TILE;
 constexpr int kDecodeRowTile = 4, kDecodeBlockTile = 6;
-#ifndef TM_UNIT_TILE  // the fused activation's: 12 or 14 rows x 1 unit measured level
+#ifndef TM_UNIT_TILE  // the fused activation's; 12 or 14 rows x 1 unit: level at 512+ rows
 #define TM_UNIT_TILE 2
 #define TM_FUSED_ROW_TILE 6
 #endif
@@ -138,9 +138,9 @@ constexpr int64_t kPanel = TM_PANEL;
 #define TM_SLICE_ROWS 512
 #endif
 // From two row panels on, the threads split panels x block groups as one list (whole
-// panels each where they can) rather than the groups alone: a down projection's 56
-// blocks make 19 groups of 3, 10 for one thread and 9 for the other. 0 builds the split
-// by groups alone (f32_linear.cpp's panels_and_groups).
+// panels each where they can) rather than the groups alone, so each thread re-reads its
+// own panel of x. 0 builds the split by groups alone (f32_linear.cpp's
+// panels_and_groups).
 #ifndef TM_SPLIT_PANELS
 #define TM_SPLIT_PANELS 1
 #endif
