@@ -40,19 +40,24 @@ struct Prefetch {
   const float* values = nullptr;
   const int64_t* offsets = nullptr;
   int64_t row_lines = 0, total = 0, next = 0;
+  // Where `next` is: its token, and its line of the token's keys then values. Kept as
+  // counters: working them out from `next` took two integer divisions a line, which
+  // cost more than the tile's arithmetic (docs/BENCHMARKS.md).
+  int64_t token = 0, line = 0;
 
   // n tokens at offsets o of k and v, row_floats floats of each (all KV heads, or one).
   void start(const float* k, const float* v, const int64_t* o, int64_t n, int64_t row_floats) {
-    keys = k, values = v, offsets = o, next = 0;
+    keys = k, values = v, offsets = o, next = 0, token = 0, line = 0;
     row_lines = (row_floats + 15) / 16;
     total = 2 * n * row_lines;
   }
   // Request up to `count` more lines, token by token, each token's keys then values.
   inline void step(int64_t count) {
     for (const int64_t stop = std::min(total, next + count); next < stop; ++next) {
-      const int64_t t = next / (2 * row_lines), within = next % (2 * row_lines);
-      const float* base = within < row_lines ? keys : values;
-      __builtin_prefetch(base + offsets[t] + (within % row_lines) * 16);
+      const bool key = line < row_lines;
+      __builtin_prefetch((key ? keys : values) + offsets[token] +
+                         (key ? line : line - row_lines) * 16);
+      if (++line == 2 * row_lines) line = 0, ++token;
     }
   }
 };
