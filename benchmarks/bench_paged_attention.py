@@ -10,6 +10,10 @@ rounds, best of --repeats per round, median over rounds; outputs are checked equ
 
     python benchmarks/bench_paged_attention.py [--heads 14 --kv-heads 2 --head-dim 64]
         [--batches 1,8,32] [--contexts 1024,4096,16384] [--threads 2] [--json F] [--plot F]
+        [--baseline REV]
+
+--baseline REV adds the kernel as it was at a git revision (built from that revision's
+csrc beside this one's), timed in the same rounds: a kernel change's A/B in one process.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ import argparse
 import json
 import random
 import statistics
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 from tokenmill.attention.paged import grouped_decode_attention
+from tokenmill.attention import paged_native
 from tokenmill.attention.paged_native import native_decode
 from tokenmill.kv import KVCache
 
@@ -52,7 +59,22 @@ def case(batch: int, lengths: list[int], heads: int, kv_heads: int, head_dim: in
     return cache, tables, lengths_t, q, mask
 
 
-def time_paths(cache, tables, lengths, q, mask, scale, rounds, repeats):
+def baseline_kernel(revision: str):
+    """The paged_decode kernel built from its sources at a git revision."""
+    from tokenmill.layers.native import build_extension
+
+    folder = Path(tempfile.mkdtemp(prefix="paged-decode-"))
+    source = Path(paged_native.SOURCE)
+    for path in source.parent.iterdir():
+        if path.suffix in (".cpp", ".h"):
+            relative = path.relative_to(Path(__file__).resolve().parents[1])
+            text = subprocess.run(["git", "show", f"{revision}:{relative}"], check=True,
+                                  capture_output=True, text=True).stdout
+            (folder / path.name).write_text(text)
+    return build_extension("paged_decode", folder / source.name, ("-ffast-math",))
+
+
+def time_paths(cache, tables, lengths, q, mask, scale, rounds, repeats, baseline=None):
     kernel = native_decode()
 
     def gathered():
@@ -62,10 +84,17 @@ def time_paths(cache, tables, lengths, q, mask, scale, rounds, repeats):
     def native():
         return kernel.paged_decode(q, cache.data[0], cache.data[1], tables, lengths, scale)
 
+    def before():
+        return baseline.paged_decode(q, cache.data[0], cache.data[1], tables, lengths, scale)
+
     torch.testing.assert_close(native(), gathered(), atol=1e-5, rtol=1e-4)
-    results = {"paged": [], "paged-native": []}
+    paths = [("paged", gathered), ("paged-native", native)]
+    if baseline is not None:
+        torch.testing.assert_close(native(), before(), atol=1e-5, rtol=1e-4)
+        paths.append(("baseline", before))
+    results = {name: [] for name, _ in paths}
     for _ in range(rounds):
-        for name, fn in (("paged", gathered), ("paged-native", native)):
+        for name, fn in paths:
             best = float("inf")
             for _ in range(repeats):
                 started = time.perf_counter()
@@ -87,6 +116,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also time the kernel as built at this git revision")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if native_decode() is None:
@@ -102,19 +133,25 @@ def main() -> None:
     print(f"{args.heads} heads / {args.kv_heads} KV heads x {args.head_dim}, block {BLOCK}, "
           f"{args.threads} threads; ms per layer per decode step (median of {args.rounds} "
           f"rounds, best of {args.repeats})")
-    print("| batch | context | paged ms | paged-native ms | speed-up | K/V MB read |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    baseline = baseline_kernel(args.baseline) if args.baseline else None
+    extra = f" {args.baseline} ms | this / {args.baseline} |" if baseline else ""
+    print(f"| batch | context | paged ms | paged-native ms | speed-up | K/V MB read |{extra}")
+    print("| --- | --- | --- | --- | --- | --- |" + (" --- | --- |" if baseline else ""))
     rows = []
     for batch, lengths, label in cases:
         data = case(batch, lengths, args.heads, args.kv_heads, args.head_dim)
-        times = time_paths(*data, scale, args.rounds, args.repeats)
+        times = time_paths(*data, scale, args.rounds, args.repeats, baseline)
         megabytes = sum(lengths) * args.kv_heads * args.head_dim * 4 * 2 / 1e6
         row = {"batch": batch, "context": label, "paged_ms": times["paged"] * 1e3,
                "native_ms": times["paged-native"] * 1e3,
                "speedup": times["paged"] / times["paged-native"], "kv_mb": megabytes}
+        extra = ""
+        if baseline is not None:
+            row["baseline_ms"] = times["baseline"] * 1e3
+            extra = f" {row['baseline_ms']:.3f} | {times['baseline'] / times['paged-native']:.2f}x |"
         rows.append(row)
         print(f"| {batch} | {label} | {row['paged_ms']:.3f} | {row['native_ms']:.3f} | "
-              f"{row['speedup']:.2f}x | {megabytes:.1f} |", flush=True)
+              f"{row['speedup']:.2f}x | {megabytes:.1f} |{extra}", flush=True)
         del data
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

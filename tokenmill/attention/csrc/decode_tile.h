@@ -32,32 +32,31 @@ struct Geometry {
 };
 
 // The next tile's cache lines (keys and values of each of its tokens), requested a
-// few at a time while the current tile is folded: a burst of all of them at once
+// few tokens at a time while the current tile is folded: a burst of all of them at once
 // (256 lines for a tile of 16 tokens of 2 x 64-dim heads) exceeds the lines a core
-// can have in flight. TM_PREFETCH_BURST restores the burst (for comparison).
+// can have in flight. TM_PREFETCH_BURST restores the burst (for comparison). A token's
+// lines go in one loop (working each line's token and offset out from a running count
+// took two integer divisions a line, more than the tile's own arithmetic:
+// docs/BENCHMARKS.md).
 struct Prefetch {
   const float* keys = nullptr;
   const float* values = nullptr;
   const int64_t* offsets = nullptr;
-  int64_t row_lines = 0, total = 0, next = 0;
-  // Where `next` is: its token, and its line of the token's keys then values. Kept as
-  // counters: working them out from `next` took two integer divisions a line, which
-  // cost more than the tile's arithmetic (docs/BENCHMARKS.md).
-  int64_t token = 0, line = 0;
+  int64_t row_lines = 0, total = 0, next = 0;  // total, next: tokens
 
   // n tokens at offsets o of k and v, row_floats floats of each (all KV heads, or one).
   void start(const float* k, const float* v, const int64_t* o, int64_t n, int64_t row_floats) {
-    keys = k, values = v, offsets = o, next = 0, token = 0, line = 0;
+    keys = k, values = v, offsets = o, next = 0;
     row_lines = (row_floats + 15) / 16;
-    total = 2 * n * row_lines;
+    total = n;
   }
-  // Request up to `count` more lines, token by token, each token's keys then values.
+  // Request the lines of up to `count` more tokens, each token's keys then values.
   inline void step(int64_t count) {
     for (const int64_t stop = std::min(total, next + count); next < stop; ++next) {
-      const bool key = line < row_lines;
-      __builtin_prefetch((key ? keys : values) + offsets[token] +
-                         (key ? line : line - row_lines) * 16);
-      if (++line == 2 * row_lines) line = 0, ++token;
+      const float* key = keys + offsets[next];
+      const float* value = values + offsets[next];
+      for (int64_t line = 0; line < row_lines; ++line) __builtin_prefetch(key + 16 * line);
+      for (int64_t line = 0; line < row_lines; ++line) __builtin_prefetch(value + 16 * line);
     }
   }
 };
@@ -99,51 +98,100 @@ inline __m512 sum_each(__m512* v) {
                        _mm512_shuffle_f32x4(low, high, 0xDD));
 }
 
-// The register form, for head_dim = 16 * VECTORS.
+// The weighted sums of values of P query heads (rows of `weights`, each head's state
+// `stride` floats after the last's) over a tile's n tokens: each token's value vectors
+// loaded once for all P heads, P x VECTORS independent sums (16 registers). Each head's
+// sum starts from its state rescaled by exp(its old maximum - its new one), `rescale`.
+template <int VECTORS, int P>
+inline void accumulate(float* state, int64_t stride, const float (*weights)[kTile],
+                       const float* rescale, const float* values, const int64_t* offsets,
+                       int64_t n) {
+  __m512 acc[P][VECTORS];
+  for (int h = 0; h < P; ++h) {
+    const __m512 r = _mm512_set1_ps(rescale[h]);
+    for (int i = 0; i < VECTORS; ++i)
+      acc[h][i] = _mm512_mul_ps(_mm512_loadu_ps(state + h * stride + 16 * i), r);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* value = values + offsets[t];
+    __m512 v[VECTORS];
+    for (int i = 0; i < VECTORS; ++i) v[i] = _mm512_loadu_ps(value + 16 * i);
+    for (int h = 0; h < P; ++h) {
+      const __m512 p = _mm512_set1_ps(weights[h][t]);
+      for (int i = 0; i < VECTORS; ++i) acc[h][i] = _mm512_fmadd_ps(p, v[i], acc[h][i]);
+    }
+  }
+  for (int h = 0; h < P; ++h)
+    for (int i = 0; i < VECTORS; ++i) _mm512_storeu_ps(state + h * stride + 16 * i, acc[h][i]);
+}
+
+// accumulate() for `heads` (1 .. P) heads.
+template <int VECTORS, int P>
+inline void accumulate_up_to(int heads, float* state, int64_t stride,
+                             const float (*weights)[kTile], const float* rescale,
+                             const float* values, const int64_t* offsets, int64_t n) {
+  if constexpr (P > 0) {
+    if (heads == P)
+      return accumulate<VECTORS, P>(state, stride, weights, rescale, values, offsets, n);
+    accumulate_up_to<VECTORS, P - 1>(heads, state, stride, weights, rescale, values, offsets, n);
+  }
+}
+
+// The register form, for head_dim = 16 * VECTORS. Query heads go kHeads at a time:
+// each head's scores, then the exponentials of them all in one vector loop, then the
+// heads' weighted sums of values in passes of 16 / VECTORS heads (one head at a time
+// from start to end left each step waiting on the one before: the sums' chains of
+// dependent multiply-adds, the exponentials and the reductions; a tile of 32 rows x
+// 160 tokens ran ~1.5x faster so, docs/BENCHMARKS.md).
 template <int VECTORS>
 void fold_tile_avx512(const Geometry& g, const float* query, const float* keys,
                       const float* values, const int64_t* offsets, int64_t n, float scale,
                       float* state, Prefetch& ahead, int64_t per_head) {
+  constexpr int kHeads = 8, kPass = std::max(1, std::min(kHeads, 16 / VECTORS));
   const int64_t stride = g.head_dim + 2;
   const __mmask16 live = static_cast<__mmask16>((1u << n) - 1);
-  alignas(64) float weights[kTile];
-  for (int64_t q = 0; q < g.group; ++q) {
-    ahead.step(per_head);
-    __m512 qv[VECTORS];
-    for (int i = 0; i < VECTORS; ++i) qv[i] = _mm512_loadu_ps(query + q * g.head_dim + 16 * i);
-    __m512 partial[kTile];
-    for (int64_t t = 0; t < kTile; ++t) {
-      if (t >= n) {
-        partial[t] = _mm512_setzero_ps();
-        continue;
+  alignas(64) float weights[kHeads][kTile];
+  alignas(64) float rescale[kHeads] = {};
+  for (int64_t q0 = 0; q0 < g.group; q0 += kHeads) {
+    const int heads = static_cast<int>(std::min<int64_t>(kHeads, g.group - q0));
+    for (int h = 0; h < heads; ++h) {
+      ahead.step(per_head);
+      const float* qh = query + (q0 + h) * g.head_dim;
+      __m512 qv[VECTORS];
+      for (int i = 0; i < VECTORS; ++i) qv[i] = _mm512_loadu_ps(qh + 16 * i);
+      __m512 partial[kTile];
+      for (int64_t t = 0; t < kTile; ++t) {
+        if (t >= n) {
+          partial[t] = _mm512_setzero_ps();
+          continue;
+        }
+        const float* key = keys + offsets[t];
+        __m512 sum = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
+        for (int i = 1; i < VECTORS; ++i) sum = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(key + 16 * i), sum);
+        partial[t] = sum;
       }
-      const float* key = keys + offsets[t];
-      __m512 sum = _mm512_mul_ps(qv[0], _mm512_loadu_ps(key));
-      for (int i = 1; i < VECTORS; ++i) sum = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(key + 16 * i), sum);
-      partial[t] = sum;
+      const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), live,
+                                               _mm512_mul_ps(sum_each(partial), _mm512_set1_ps(scale)));
+      float* s = state + (q0 + h) * stride;
+      const float top = std::max(s[g.head_dim], _mm512_reduce_max_ps(scores));
+      rescale[h] = s[g.head_dim] - top;
+      s[g.head_dim] = top;
+      _mm512_store_ps(weights[h], _mm512_sub_ps(scores, _mm512_set1_ps(top)));
     }
-    const __m512 scores = _mm512_mask_mov_ps(_mm512_set1_ps(kNoScore), live,
-                                             _mm512_mul_ps(sum_each(partial), _mm512_set1_ps(scale)));
-    float* s = state + q * stride;
-    const float top = std::max(s[g.head_dim], _mm512_reduce_max_ps(scores));
-    const float rescale = std::exp(s[g.head_dim] - top);
-    _mm512_store_ps(weights, _mm512_sub_ps(scores, _mm512_set1_ps(top)));
+    float* flat = &weights[0][0];
 #pragma omp simd
-    for (int t = 0; t < kTile; ++t) weights[t] = std::exp(weights[t]);  // vector exp (libmvec)
-    const __m512 w = _mm512_maskz_mov_ps(live, _mm512_load_ps(weights));
-    s[g.head_dim] = top;
-    s[g.head_dim + 1] = s[g.head_dim + 1] * rescale + _mm512_reduce_add_ps(w);
-    _mm512_store_ps(weights, w);
-    __m512 acc[VECTORS];
-    const __m512 r = _mm512_set1_ps(rescale);
-    for (int i = 0; i < VECTORS; ++i) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(s + 16 * i), r);
-    for (int64_t t = 0; t < n; ++t) {
-      const __m512 p = _mm512_set1_ps(weights[t]);
-      const float* value = values + offsets[t];
-      for (int i = 0; i < VECTORS; ++i)
-        acc[i] = _mm512_fmadd_ps(p, _mm512_loadu_ps(value + 16 * i), acc[i]);
+    for (int i = 0; i < heads * kTile; ++i) flat[i] = std::exp(flat[i]);  // vector exp (libmvec)
+#pragma omp simd
+    for (int h = 0; h < kHeads; ++h) rescale[h] = std::exp(rescale[h]);
+    for (int h = 0; h < heads; ++h) {
+      const __m512 w = _mm512_maskz_mov_ps(live, _mm512_load_ps(weights[h]));
+      float* s = state + (q0 + h) * stride;
+      s[g.head_dim + 1] = s[g.head_dim + 1] * rescale[h] + _mm512_reduce_add_ps(w);
+      _mm512_store_ps(weights[h], w);
     }
-    for (int i = 0; i < VECTORS; ++i) _mm512_storeu_ps(s + 16 * i, acc[i]);
+    for (int h0 = 0; h0 < heads; h0 += kPass)
+      accumulate_up_to<VECTORS, kPass>(std::min(kPass, heads - h0), state + (q0 + h0) * stride,
+                                       stride, weights + h0, rescale + h0, values, offsets, n);
   }
 }
 #endif

@@ -10,7 +10,7 @@
 // is folded into a running softmax per query head (the running maximum, the sum of
 // exponentials and the weighted sum of values, rescaled when the maximum grows). A
 // tile's tokens are found through the block table one by one, so any block size works
-// and a tile may span blocks; the next tile's rows are prefetched a few lines per query
+// and a tile may span blocks; the next tile's rows are prefetched a few tokens per query
 // head while the current one is folded (blocks lie anywhere in the pool, where the
 // hardware prefetcher cannot follow). A request split into shares has them merged
 // at the end (the shares' maxima rescale their sums), as flash-decoding does on GPUs.
