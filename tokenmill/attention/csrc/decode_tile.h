@@ -221,61 +221,103 @@ inline float sum_of(__m256 v) {
   return _mm256_cvtss_f32(v);
 }
 
-// The register form, for head_dim = 8 * VECTORS.
+// The weighted sums of values of P query heads over a tile's n tokens (AVX2's form of
+// accumulate above: a token's value vector loaded once for the P heads' sums).
+template <int VECTORS, int P>
+inline void accumulate8(float* state, int64_t stride, const float (*weights)[kTile],
+                        const float* rescale, const float* values, const int64_t* offsets,
+                        int64_t n) {
+  __m256 acc[P][VECTORS];
+  for (int h = 0; h < P; ++h) {
+    const __m256 r = _mm256_set1_ps(rescale[h]);
+    for (int v = 0; v < VECTORS; ++v)
+      acc[h][v] = _mm256_mul_ps(_mm256_loadu_ps(state + h * stride + 8 * v), r);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* value = values + offsets[t];
+    __m256 p[P];
+    for (int h = 0; h < P; ++h) p[h] = _mm256_set1_ps(weights[h][t]);
+    for (int v = 0; v < VECTORS; ++v) {
+      const __m256 x = _mm256_loadu_ps(value + 8 * v);
+      for (int h = 0; h < P; ++h) acc[h][v] = _mm256_fmadd_ps(p[h], x, acc[h][v]);
+    }
+  }
+  for (int h = 0; h < P; ++h)
+    for (int v = 0; v < VECTORS; ++v) _mm256_storeu_ps(state + h * stride + 8 * v, acc[h][v]);
+}
+
+template <int VECTORS, int P>
+inline void accumulate8_up_to(int heads, float* state, int64_t stride,
+                              const float (*weights)[kTile], const float* rescale,
+                              const float* values, const int64_t* offsets, int64_t n) {
+  if constexpr (P > 0) {
+    if (heads == P)
+      return accumulate8<VECTORS, P>(state, stride, weights, rescale, values, offsets, n);
+    accumulate8_up_to<VECTORS, P - 1>(heads, state, stride, weights, rescale, values, offsets,
+                                      n);
+  }
+}
+
+// The register form, for head_dim = 8 * VECTORS: query heads kHeads at a time, as
+// fold_tile_avx512 takes them (sums in passes of 8 / VECTORS heads).
 template <int VECTORS>
 void fold_tile_avx2(const Geometry& g, const float* query, const float* keys,
                     const float* values, const int64_t* offsets, int64_t n, float scale,
                     float* state, Prefetch& ahead, int64_t per_head) {
   constexpr int kHalf = 8;  // tokens per register of scores
+  constexpr int kHeads = 8, kPass = std::max(1, 8 / VECTORS);
   const int64_t stride = g.head_dim + 2;
-  alignas(32) float weights[kTile];
+  alignas(32) float weights[kHeads][kTile];
+  alignas(32) float rescale[kHeads] = {};
   const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (int64_t q = 0; q < g.group; ++q) {
-    ahead.step(per_head);
-    const float* qh = query + q * g.head_dim;
-    __m256 scores[2];
-    for (int h = 0; h < 2; ++h) {
-      __m256 partial[kHalf];
-      for (int64_t i = 0; i < kHalf; ++i) {
-        const int64_t t = h * kHalf + i;
-        if (t >= n) {
-          partial[i] = _mm256_setzero_ps();
-          continue;
+  for (int64_t q0 = 0; q0 < g.group; q0 += kHeads) {
+    const int heads = static_cast<int>(std::min<int64_t>(kHeads, g.group - q0));
+    for (int q = 0; q < heads; ++q) {
+      ahead.step(per_head);
+      const float* qh = query + (q0 + q) * g.head_dim;
+      __m256 scores[2];
+      for (int h = 0; h < 2; ++h) {
+        __m256 partial[kHalf];
+        for (int64_t i = 0; i < kHalf; ++i) {
+          const int64_t t = h * kHalf + i;
+          if (t >= n) {
+            partial[i] = _mm256_setzero_ps();
+            continue;
+          }
+          const float* key = keys + offsets[t];
+          __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(key));
+          for (int v = 1; v < VECTORS; ++v)
+            sum = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * v), _mm256_loadu_ps(key + 8 * v), sum);
+          partial[i] = sum;
         }
-        const float* key = keys + offsets[t];
-        __m256 sum = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(key));
-        for (int v = 1; v < VECTORS; ++v)
-          sum = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * v), _mm256_loadu_ps(key + 8 * v), sum);
-        partial[i] = sum;
+        // Tokens past n score kNoScore (weight 0 after the exponential).
+        const __m256 live = _mm256_castsi256_ps(
+            _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - h * kHalf)), lane));
+        scores[h] = _mm256_blendv_ps(_mm256_set1_ps(kNoScore),
+                                     _mm256_mul_ps(sum_each8(partial), _mm256_set1_ps(scale)),
+                                     live);
       }
-      // Tokens past n score kNoScore (weight 0 after the exponential).
-      const __m256 live = _mm256_castsi256_ps(
-          _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - h * kHalf)), lane));
-      scores[h] = _mm256_blendv_ps(_mm256_set1_ps(kNoScore),
-                                   _mm256_mul_ps(sum_each8(partial), _mm256_set1_ps(scale)),
-                                   live);
+      float* s = state + (q0 + q) * stride;
+      const float top = std::max(s[g.head_dim], max_of(_mm256_max_ps(scores[0], scores[1])));
+      rescale[q] = s[g.head_dim] - top;
+      s[g.head_dim] = top;
+      _mm256_store_ps(weights[q], _mm256_sub_ps(scores[0], _mm256_set1_ps(top)));
+      _mm256_store_ps(weights[q] + kHalf, _mm256_sub_ps(scores[1], _mm256_set1_ps(top)));
     }
-    float* s = state + q * stride;
-    const float top = std::max(s[g.head_dim], max_of(_mm256_max_ps(scores[0], scores[1])));
-    const float rescale = std::exp(s[g.head_dim] - top);
-    _mm256_store_ps(weights, _mm256_sub_ps(scores[0], _mm256_set1_ps(top)));
-    _mm256_store_ps(weights + kHalf, _mm256_sub_ps(scores[1], _mm256_set1_ps(top)));
+    float* flat = &weights[0][0];
 #pragma omp simd
-    for (int t = 0; t < kTile; ++t) weights[t] = std::exp(weights[t]);  // vector exp (libmvec)
-    for (int64_t t = n; t < kTile; ++t) weights[t] = 0.0f;
-    s[g.head_dim] = top;
-    s[g.head_dim + 1] = s[g.head_dim + 1] * rescale +
-        sum_of(_mm256_add_ps(_mm256_load_ps(weights), _mm256_load_ps(weights + kHalf)));
-    __m256 acc[VECTORS];
-    const __m256 r = _mm256_set1_ps(rescale);
-    for (int v = 0; v < VECTORS; ++v) acc[v] = _mm256_mul_ps(_mm256_loadu_ps(s + 8 * v), r);
-    for (int64_t t = 0; t < n; ++t) {
-      const __m256 p = _mm256_set1_ps(weights[t]);
-      const float* value = values + offsets[t];
-      for (int v = 0; v < VECTORS; ++v)
-        acc[v] = _mm256_fmadd_ps(p, _mm256_loadu_ps(value + 8 * v), acc[v]);
+    for (int i = 0; i < heads * kTile; ++i) flat[i] = std::exp(flat[i]);  // vector exp (libmvec)
+#pragma omp simd
+    for (int q = 0; q < kHeads; ++q) rescale[q] = std::exp(rescale[q]);
+    for (int q = 0; q < heads; ++q) {
+      for (int64_t t = n; t < kTile; ++t) weights[q][t] = 0.0f;
+      float* s = state + (q0 + q) * stride;
+      s[g.head_dim + 1] = s[g.head_dim + 1] * rescale[q] +
+          sum_of(_mm256_add_ps(_mm256_load_ps(weights[q]), _mm256_load_ps(weights[q] + kHalf)));
     }
-    for (int v = 0; v < VECTORS; ++v) _mm256_storeu_ps(s + 8 * v, acc[v]);
+    for (int h0 = 0; h0 < heads; h0 += kPass)
+      accumulate8_up_to<VECTORS, kPass>(std::min(kPass, heads - h0), state + (q0 + h0) * stride,
+                                        stride, weights + h0, rescale + h0, values, offsets, n);
   }
 }
 #endif
