@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.attention.paged import grouped_decode_attention
 from tokenmill.attention import paged_native
+from tokenmill.attention.paged import grouped_decode_attention
 from tokenmill.attention.paged_native import native_decode
 from tokenmill.kv import KVCache
 
