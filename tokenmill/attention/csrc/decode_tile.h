@@ -78,6 +78,27 @@ inline void fold_tile_plain(const Geometry& g, const float* query, const float* 
   }
 }
 
+// The weighted sums of values of P query heads (rows of `weights`, each head's state
+// `stride` floats after the last's) over a tile's n tokens, each head's sum starting
+// from its state rescaled by exp(its old maximum - its new one), `rescale`: each
+// token's value vectors loaded once for all P heads. Defined per instruction set below.
+template <int VECTORS, int P>
+inline void accumulate(float* state, int64_t stride, const float (*weights)[kTile],
+                       const float* rescale, const float* values, const int64_t* offsets,
+                       int64_t n);
+
+// accumulate() for `heads` (1 .. P) heads.
+template <int VECTORS, int P>
+inline void accumulate_up_to(int heads, float* state, int64_t stride,
+                             const float (*weights)[kTile], const float* rescale,
+                             const float* values, const int64_t* offsets, int64_t n) {
+  if constexpr (P > 0) {
+    if (heads == P)
+      return accumulate<VECTORS, P>(state, stride, weights, rescale, values, offsets, n);
+    accumulate_up_to<VECTORS, P - 1>(heads, state, stride, weights, rescale, values, offsets, n);
+  }
+}
+
 #if defined(__AVX512F__)
 // Lane t of the result is the sum of the 16 lanes of v[t].
 inline __m512 sum_each(__m512* v) {
@@ -98,10 +119,7 @@ inline __m512 sum_each(__m512* v) {
                        _mm512_shuffle_f32x4(low, high, 0xDD));
 }
 
-// The weighted sums of values of P query heads (rows of `weights`, each head's state
-// `stride` floats after the last's) over a tile's n tokens: each token's value vectors
-// loaded once for all P heads, P x VECTORS independent sums (16 registers). Each head's
-// sum starts from its state rescaled by exp(its old maximum - its new one), `rescale`.
+// AVX-512's accumulate: P x VECTORS independent sums (16 registers).
 template <int VECTORS, int P>
 inline void accumulate(float* state, int64_t stride, const float (*weights)[kTile],
                        const float* rescale, const float* values, const int64_t* offsets,
@@ -125,24 +143,12 @@ inline void accumulate(float* state, int64_t stride, const float (*weights)[kTil
     for (int i = 0; i < VECTORS; ++i) _mm512_storeu_ps(state + h * stride + 16 * i, acc[h][i]);
 }
 
-// accumulate() for `heads` (1 .. P) heads.
-template <int VECTORS, int P>
-inline void accumulate_up_to(int heads, float* state, int64_t stride,
-                             const float (*weights)[kTile], const float* rescale,
-                             const float* values, const int64_t* offsets, int64_t n) {
-  if constexpr (P > 0) {
-    if (heads == P)
-      return accumulate<VECTORS, P>(state, stride, weights, rescale, values, offsets, n);
-    accumulate_up_to<VECTORS, P - 1>(heads, state, stride, weights, rescale, values, offsets, n);
-  }
-}
-
 // The register form, for head_dim = 16 * VECTORS. Query heads go kHeads at a time:
 // each head's scores, then the exponentials of them all in one vector loop, then the
 // heads' weighted sums of values in passes of 16 / VECTORS heads (one head at a time
 // from start to end left each step waiting on the one before: the sums' chains of
-// dependent multiply-adds, the exponentials and the reductions; a tile of 32 rows x
-// 160 tokens ran ~1.5x faster so, docs/BENCHMARKS.md).
+// dependent multiply-adds, the exponentials and the reductions; 1.08-1.11x per layer at
+// batch 8-32, docs/BENCHMARKS.md).
 template <int VECTORS>
 void fold_tile_avx512(const Geometry& g, const float* query, const float* keys,
                       const float* values, const int64_t* offsets, int64_t n, float scale,
@@ -221,10 +227,9 @@ inline float sum_of(__m256 v) {
   return _mm256_cvtss_f32(v);
 }
 
-// The weighted sums of values of P query heads over a tile's n tokens (AVX2's form of
-// accumulate above: a token's value vector loaded once for the P heads' sums).
+// AVX2's accumulate: a token's value vector loaded once for the P heads' sums.
 template <int VECTORS, int P>
-inline void accumulate8(float* state, int64_t stride, const float (*weights)[kTile],
+inline void accumulate(float* state, int64_t stride, const float (*weights)[kTile],
                         const float* rescale, const float* values, const int64_t* offsets,
                         int64_t n) {
   __m256 acc[P][VECTORS];
@@ -244,18 +249,6 @@ inline void accumulate8(float* state, int64_t stride, const float (*weights)[kTi
   }
   for (int h = 0; h < P; ++h)
     for (int v = 0; v < VECTORS; ++v) _mm256_storeu_ps(state + h * stride + 8 * v, acc[h][v]);
-}
-
-template <int VECTORS, int P>
-inline void accumulate8_up_to(int heads, float* state, int64_t stride,
-                              const float (*weights)[kTile], const float* rescale,
-                              const float* values, const int64_t* offsets, int64_t n) {
-  if constexpr (P > 0) {
-    if (heads == P)
-      return accumulate8<VECTORS, P>(state, stride, weights, rescale, values, offsets, n);
-    accumulate8_up_to<VECTORS, P - 1>(heads, state, stride, weights, rescale, values, offsets,
-                                      n);
-  }
 }
 
 // The register form, for head_dim = 8 * VECTORS: query heads kHeads at a time, as
@@ -316,8 +309,8 @@ void fold_tile_avx2(const Geometry& g, const float* query, const float* keys,
           sum_of(_mm256_add_ps(_mm256_load_ps(weights[q]), _mm256_load_ps(weights[q] + kHalf)));
     }
     for (int h0 = 0; h0 < heads; h0 += kPass)
-      accumulate8_up_to<VECTORS, kPass>(std::min(kPass, heads - h0), state + (q0 + h0) * stride,
-                                        stride, weights + h0, rescale + h0, values, offsets, n);
+      accumulate_up_to<VECTORS, kPass>(std::min(kPass, heads - h0), state + (q0 + h0) * stride,
+                                       stride, weights + h0, rescale + h0, values, offsets, n);
   }
 }
 #endif
