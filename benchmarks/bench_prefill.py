@@ -5,7 +5,8 @@
 configuration, one engine at a time, --rounds times. Printed per configuration and
 round: prefill seconds, prompt tokens/s, the products' GFLOP/s (2 x a dense decoder's
 weights per prompt token, the LM head and attention left out), its share of the host's
-GEMM ceiling (`machine_ceilings`), and the whole run's output tokens/s.
+GEMM ceiling (`machine_ceilings`, measured again at the start of each run unless
+--cached-ceilings), and the whole run's output tokens/s.
 
     python benchmarks/bench_prefill.py \\
         --configs "sliced:cpu_blas=native" "whole:cpu_blas=native,mlp_slice_rows=0"
@@ -61,9 +62,12 @@ def prepare(description: str, new_tokens: int
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=new_tokens)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cached-ceilings", action="store_true",
+                        help="reuse the cached ceilings instead of measuring them in this run "
+                             "(a VM's rates move between sessions under one machine name)")
     args = parser.parse_args()
     model = args.model or str(build_model(MODEL_DIR))
-    ceilings = machine_ceilings(args.threads)
+    ceilings = machine_ceilings(args.threads, refresh=not args.cached_ceilings)
     print(f"ceilings: {ceilings.matmul_gflops:.1f} GFLOP/s fp32 GEMM, "
           f"{ceilings.bandwidth_gbs:.1f} GB/s ({ceilings.machine}, {args.threads} threads)")
     rng = random.Random(0)
