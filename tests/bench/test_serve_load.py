@@ -9,8 +9,8 @@ import statistics
 import pytest
 
 from tests.server.conftest import API_KEY, MODEL_NAME, start_server
-from tokenmill.bench.metrics import SLO
-from tokenmill.bench.serve_load import LoadConfig, arrival_gaps, run_load
+from tokenmill.bench.metrics import SLO, RequestRecord
+from tokenmill.bench.serve_load import LoadConfig, _consume_event, arrival_gaps, run_load
 from tokenmill.bench.workload import WorkloadSpec, build_workload
 
 
@@ -71,3 +71,27 @@ def test_gamma_gaps_have_the_requested_mean_rate():
     gaps = arrival_gaps(rate=4.0, burstiness=0.5, count=4000, seed=0)
     assert statistics.mean(gaps) == pytest.approx(0.25, rel=0.1)
     assert arrival_gaps(4.0, 0.5, 10, 3) == arrival_gaps(4.0, 0.5, 10, 3)
+
+
+def test_empty_token_chunks_time_the_stream_the_finishing_chunk_does_not():
+    # llama-server's stream for 3 tokens that decode to no text: one empty chunk per
+    # token, then an empty finishing chunk; the first token arrived at t=1, not at t=9.
+    record = RequestRecord("r", 4, start_time=0.0)
+    token = {"choices": [{"text": "", "index": 0, "finish_reason": None}]}
+    finish = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}],
+              "usage": {"completion_tokens": 3}}
+    for now, event in ((1.0, token), (2.0, token), (3.0, token), (9.0, finish)):
+        _consume_event("data: " + json.dumps(event), record, now)
+    _consume_event("data: [DONE]", record, 9.0)
+    assert record.chunk_times == [1.0, 2.0, 3.0]
+    assert record.ttft == 1.0 and record.tpot == 1.0 and record.output_tokens == 3
+    # A stream whose only chunk is the finishing one (text or not) still shows output.
+    alone = RequestRecord("s", 4, start_time=0.0)
+    _consume_event("data: " + json.dumps(finish), alone, 5.0)
+    assert alone.chunk_times == [5.0]
+    # Text in the finishing chunk counts as a chunk of its own.
+    last = RequestRecord("t", 4, start_time=0.0)
+    _consume_event("data: " + json.dumps(token), last, 1.0)
+    _consume_event("data: " + json.dumps({"choices": [{"text": "x", "finish_reason": "stop"}]}),
+                   last, 2.0)
+    assert last.chunk_times == [1.0, 2.0]

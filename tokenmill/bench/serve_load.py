@@ -136,11 +136,15 @@ def _consume_event(line: str, record: RequestRecord, now: float) -> None:
     if usage:
         record.reported_output_tokens = usage.get("completion_tokens")
     for choice in event.get("choices") or []:
-        # One chunk may carry several tokens when the server coalesces, and tokens that
-        # decode to no text yet send no chunk; the usage total corrects the count, and
-        # ITL stays one gap per chunk. A request whose text stayed empty shows its
-        # first output at the finishing chunk.
-        if choice.get("text") or (choice.get("finish_reason") and not record.chunk_times):
+        # One chunk may carry several tokens when the server coalesces; the usage total
+        # corrects the count, and ITL stays one gap per chunk. A chunk before the
+        # finishing one counts even without text: llama-server and vLLM send a token that
+        # decodes to no text yet as an empty chunk (most of a random model's tokens, whose
+        # ids lie past its small tokenizer's; counting only text put those peers' first
+        # token at their last). The finishing chunk counts if it carries text, or if
+        # nothing came before it.
+        finished = choice.get("finish_reason")
+        if choice.get("text") or not finished or not record.chunk_times:
             record.chunk_times.append(now)
             record.chunk_tokens.append(1)
 
