@@ -62,9 +62,10 @@ def test_compare_writes_report_and_plots_for_two_configs(llama_dir, tmp_path, mo
     assert main(["bench", "compare", "--model", str(llama_dir), "--configs", "base:",
                  "small-chunks:chunk_size=8,max_num_batched_tokens=32",
                  "--peers", "llamacpp,vllm", "--concurrency", "2,all", "--repeats", "2",
-                 *SMALL, *ENGINE, "--out-dir", str(out_dir)]) == 0
+                 *SMALL, *ENGINE, "--no-ceilings", "--out-dir", str(out_dir)]) == 0
     report = (out_dir / "report.md").read_text()
     assert "| small-chunks |" in report and "out tok/s vs base" in report
+    assert "- cpu: " in report and "ceilings" not in report
     assert "skipped: llamacpp (not installed)" in report
     for name in ("latency_cdf.png", "throughput_vs_concurrency.png", "ttft_vs_tpot.png"):
         assert (out_dir / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -224,3 +225,19 @@ def test_server_peer_starts_loads_and_stops_its_server(llama_dir, tmp_path, monk
     assert peer._process is None  # started and stopped within run()
     assert [r.success for r in run.records] == [True] * 3, [r.error for r in run.records]
     assert [r.output_tokens for r in run.records] == [4, 4, 4]
+
+
+def test_host_description_names_the_cpu_its_isa_and_the_cap(monkeypatch, tmp_path):
+    from tokenmill.bench import ceilings
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\n"
+                       "flags\t\t: fpu sse2 avx2 fma avx512f amx_tile\n")
+    real_path = ceilings.Path
+    monkeypatch.setattr(ceilings, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    monkeypatch.delenv("TOKENMILL_ISA", raising=False)
+    assert ceilings.host_description() == "Test CPU 9000; avx2 fma avx512f amx_tile"
+    monkeypatch.setenv("TOKENMILL_ISA", "avx2")
+    assert ceilings.host_description().endswith("; capped at avx2")
+    assert ceilings.describe(ceilings.Ceilings(35.1, 459.6, 2, "x")) == \
+        "459.6 GFLOP/s fp32 GEMM, 35.1 GB/s read (2 threads)"

@@ -95,6 +95,32 @@ def measure_matmul(threads: int, n: int = 2048) -> tuple[float, float]:
     return 2 * n**3 / min(times) / 1e9, 2 * n**3 / times[0] / 1e9
 
 
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
+
+
+def host_description() -> str:
+    """The CPU model and the instruction sets the kernels care about, for a report's
+    header ("Intel(R) Xeon(R) Processor; avx2 fma avx512f amx_tile"), the cap if any."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and ":" in line:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and ":" in line:
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    isa = " ".join(f for f in ISA_FLAGS if f in flags) or "ISA flags unknown"
+    cap = capped_isa()
+    return f"{model}; {isa}" + (f"; capped at {cap}" if cap else "")
+
+
+def describe(ceilings: Ceilings) -> str:
+    return (f"{ceilings.matmul_gflops:.1f} GFLOP/s fp32 GEMM, {ceilings.bandwidth_gbs:.1f} "
+            f"GB/s read ({ceilings.threads} threads)")
+
+
 def machine_ceilings(threads: int | None = None, refresh: bool = False) -> Ceilings:
     threads = threads or torch.get_num_threads()
     isa = capped_isa()  # --isa avx2: the capped libraries' ceilings are their own

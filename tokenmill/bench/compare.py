@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from tokenmill.bench.ceilings import describe, host_description, machine_ceilings
 from tokenmill.bench.driver import run_engine_workload, warm_up
 from tokenmill.bench.metrics import summarize
 from tokenmill.bench.peers import available_peers, peer_name, place_in_process_peers
@@ -32,6 +33,7 @@ from tokenmill.bench.report import SystemResult, write_report
 from tokenmill.bench.workload import WorkloadRequest
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.model.loader import resolve_device
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,11 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    host = {"cpu": host_description()}
+    if args.ceilings and resolve_device(base.model.device).type == "cpu":
+        print("measuring this host's ceilings (fp32 GEMM, read bandwidth)", flush=True)
+        host["ceilings"] = describe(machine_ceilings(torch.get_num_threads(), refresh=True)) \
+            + ", measured before the run"
     engines = []
     for name, config in configs:
         print(f"loading {name}: {config.scheduler}", flush=True)
@@ -176,7 +183,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
                           skipped=skipped)
     header = {"command": " ".join(sys.argv), "date": datetime.datetime.now(
         datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": _commit(),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads",
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads", **host,
         "model": base.model.model,
         "workload": f"{spec.source}, {spec.num_requests} requests, input {spec.input_len}, "
                     f"output {spec.output_len}, {spec.length_dist} lengths, seed {spec.seed} "
@@ -207,6 +214,9 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated in-flight limits, 'all' = no limit (default)")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=Path("bench-compare"))
+    parser.add_argument("--ceilings", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure the host's fp32 GEMM and read-bandwidth ceilings "
+                             "before the run and put them in the report (CPU; ~15 s)")
     parser.add_argument("--log-level", default="warning")
     add_workload_arguments(parser, num_requests=16)
     add_engine_arguments(parser)
