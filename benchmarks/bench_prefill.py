@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_core import MODEL_DIR, build_model  # noqa: E402
 
 from tokenmill import LLM, SamplingParams  # noqa: E402
-from tokenmill.bench.ceilings import machine_ceilings  # noqa: E402
+from tokenmill.bench.ceilings import describe, machine_ceilings  # noqa: E402
 from tokenmill.model.loader import read_config  # noqa: E402
 
 
@@ -68,8 +68,7 @@ def prepare(description: str, new_tokens: int
     args = parser.parse_args()
     model = args.model or str(build_model(MODEL_DIR))
     ceilings = machine_ceilings(args.threads, refresh=not args.cached_ceilings)
-    print(f"ceilings: {ceilings.matmul_gflops:.1f} GFLOP/s fp32 GEMM, "
-          f"{ceilings.bandwidth_gbs:.1f} GB/s ({ceilings.machine}, {args.threads} threads)")
+    print(f"ceilings: {describe(ceilings)}, {ceilings.machine}")
     rng = random.Random(0)
     vocab = min(100000, read_config(model).vocab_size)  # pycoder's is 8192
     prompts = [[rng.randrange(vocab // 100, vocab) for _ in range(args.prompt)]

@@ -233,8 +233,10 @@ def test_host_description_names_the_cpu_its_isa_and_the_cap(monkeypatch, tmp_pat
     cpuinfo = tmp_path / "cpuinfo"
     cpuinfo.write_text("processor\t: 0\nmodel name\t: Test CPU 9000\n"
                        "flags\t\t: fpu sse2 avx2 fma avx512f amx_tile\n")
-    real_path = ceilings.Path
-    monkeypatch.setattr(ceilings, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
+    from tokenmill.layers import timing
+
+    real_path = timing.Path
+    monkeypatch.setattr(timing, "Path", lambda p: cpuinfo if p == "/proc/cpuinfo" else real_path(p))
     monkeypatch.delenv("TOKENMILL_ISA", raising=False)
     assert ceilings.host_description() == "Test CPU 9000; avx2 fma avx512f amx_tile"
     monkeypatch.setenv("TOKENMILL_ISA", "avx2")

@@ -22,7 +22,7 @@ from threadpoolctl import threadpool_limits
 from tokenmill.layers.isa import capped_isa
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.products import product_policy
-from tokenmill.layers.timing import median_seconds
+from tokenmill.layers.timing import cpu_signature, median_seconds
 
 CACHE = Path(os.environ.get("TOKENMILL_CACHE", Path.home() / ".cache" / "tokenmill"))
 
@@ -101,16 +101,9 @@ ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
 def host_description() -> str:
     """The CPU model and the instruction sets the kernels care about, for a report's
     header ("Intel(R) Xeon(R) Processor; avx2 fma avx512f amx_tile"), the cap if any."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and ":" in line:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and ":" in line:
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    model_line, flags_line = cpu_signature().split("|")[:2]
+    model = model_line.partition(":")[2].strip() or platform.machine()
+    flags = set(flags_line.partition(":")[2].split())
     isa = " ".join(f for f in ISA_FLAGS if f in flags) or "ISA flags unknown"
     cap = capped_isa()
     return f"{model}; {isa}" + (f"; capped at {cap}" if cap else "")

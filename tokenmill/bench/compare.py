@@ -160,7 +160,8 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
     host = {"cpu": host_description()}
     if args.ceilings and resolve_device(base.model.device).type == "cpu":
         print("measuring this host's ceilings (fp32 GEMM, read bandwidth)", flush=True)
-        host["ceilings"] = describe(machine_ceilings(torch.get_num_threads(), refresh=True)) \
+        threads = base.model.num_threads or torch.get_num_threads()  # the engines' count
+        host["ceilings"] = describe(machine_ceilings(threads, refresh=True)) \
             + ", measured before the run"
     engines = []
     for name, config in configs:
