@@ -104,6 +104,8 @@ def test_config_specs_parse_and_validate():
 def test_absent_peers_are_skipped_with_a_message(tmp_path, monkeypatch):
     monkeypatch.setattr(peers_module, "PEERS_DIR", tmp_path)
     monkeypatch.setattr(peers_module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(peers_module, "TCMALLOC_PATTERNS", (str(tmp_path / "none*"),))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert LlamaCppPeer().detect() is None and VllmPeer().detect() is None
     messages: list[str] = []
     found = available_peers(["llamacpp", "vllm", "transformers"], log=messages.append)
@@ -126,10 +128,38 @@ def test_absent_peers_are_skipped_with_a_message(tmp_path, monkeypatch):
     assert vllm.describe().startswith("vllm, run as `VLLM_CPU_KVCACHE_SPACE=4 ")
     assert "VLLM_CPU_OMP_THREADS_BIND=0-1" in vllm.describe()
     assert "--dtype float32 --max-model-len 1024" in vllm.describe()
+    assert "not preloaded, as vLLM's CPU guide asks: libtcmalloc, libiomp" in vllm.describe()
     with pytest.raises(ValueError, match="GGUF type"):
         available_peers(["llamacpp:q3"])
     with pytest.raises(ValueError, match="unknown peer"):
         available_peers(["vllm:f16"])
+
+
+def test_vllm_peer_preloads_what_its_cpu_guide_asks(tmp_path, monkeypatch):
+    monkeypatch.setattr(peers_module, "PEERS_DIR", tmp_path)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    tcmalloc = tmp_path / "libtcmalloc_minimal.so.4"
+    tcmalloc.touch()
+    monkeypatch.setattr(peers_module, "TCMALLOC_PATTERNS", (str(tmp_path / "none*"),
+                                                            str(tcmalloc) + "*"))
+    monkeypatch.setattr(peers_module.platform, "machine", lambda: "x86_64")
+    vllm = VllmPeer()
+    (vllm.venv / "lib").mkdir(parents=True)
+    (vllm.venv / "lib" / "libiomp5.so").touch()
+    vllm._command = vllm.server_command("m", 8000, 8, threads=2, max_model_len=1024)
+    iomp = vllm.venv / "lib" / "libiomp5.so"
+    assert vllm._command[1]["LD_PRELOAD"] == f"{tcmalloc}:{iomp}"
+    assert f"LD_PRELOAD={tcmalloc}:{iomp}" in vllm.describe()
+    assert "not preloaded" not in vllm.describe()
+    # Without Intel OpenMP in the venv the report says what the peer ran without.
+    iomp.unlink()
+    vllm._command = vllm.server_command("m", 8000, 8, threads=2, max_model_len=1024)
+    assert vllm._command[1]["LD_PRELOAD"] == str(tcmalloc)
+    assert vllm.describe().endswith("not preloaded, as vLLM's CPU guide asks: libiomp "
+                                    "(libtcmalloc: apt install libtcmalloc-minimal4)")
+    # A preload of the caller's own wins.
+    monkeypatch.setenv("LD_PRELOAD", "/opt/mine.so")
+    assert vllm.server_command("m", 8000, 8, 2, 1024)[1]["LD_PRELOAD"] == "/opt/mine.so"
 
 
 def test_transformers_peer_times_every_token_of_every_request(llama_dir):

@@ -70,6 +70,13 @@ def install_vllm(torch_wheel: Path | None) -> None:
     subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio",
                     "torchcodec"], check=False)
     _run([python, "-c", "import vllm; print('vllm', vllm.__version__)"])
+    from tokenmill.bench.peers import VllmPeer  # (peers imports this module)
+
+    preloads = VllmPeer().preloads()
+    print("vLLM's runs will preload " + (":".join(preloads) or "nothing"))
+    if not any("tcmalloc" in p for p in preloads):
+        print("warning: no TCMalloc found; vLLM's CPU guide preloads it "
+              "(apt install libtcmalloc-minimal4)")
 
 
 def install_llamacpp(torch_wheel: Path | None, jobs: int) -> None:
