@@ -137,6 +137,9 @@ class ModelConfig:
     # (layers/huge_pages.py): a decode step streams them faster. Nothing changes where
     # the system's THP setting is `never` or off Linux.
     huge_pages: bool = True
+    # Keep the memory a step frees for the next step instead of handing it back to the
+    # kernel and faulting it in again (glibc's malloc thresholds, layers/allocator.py).
+    retain_freed_memory: bool = True
     # auto: split a reasoning model's thinking from its answer and accept thinking
     # budgets when the model declares thinking markers (tokenmill/reasoning.py); none:
     # treat its output as plain text.
@@ -164,6 +167,8 @@ class ModelConfig:
                  "None or an int >= 0", rows)
         _require(type(self.huge_pages) is bool, "huge_pages", "True or False",
                  self.huge_pages)
+        _require(type(self.retain_freed_memory) is bool, "retain_freed_memory",
+                 "True or False", self.retain_freed_memory)
         _require(self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",
                  f"one of {REASONING_PARSERS}", self.reasoning_parser)
 

@@ -31,7 +31,7 @@ from tokenmill.dist.context import (
 from tokenmill.dist.expert_replicas import ReplicaSet
 from tokenmill.dist.pipeline import PipelineSends, PipelineStage, micro_batches
 from tokenmill.dist.tensor_parallel import tensor_parallel_selector
-from tokenmill.layers import huge_pages
+from tokenmill.layers import allocator, huge_pages
 from tokenmill.layers.linear import weight_bytes
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
@@ -88,6 +88,8 @@ class Worker:
         threads = mcfg.num_threads or max(1, torch.get_num_threads() // self.group.size)
         torch.set_num_threads(threads)
         torch.manual_seed(mcfg.seed)
+        if mcfg.retain_freed_memory:
+            allocator.retain_freed_memory()
         dtype = resolve_dtype(mcfg.dtype, device)
         # Proposers keep the base products: weight quantization applies to the target.
         self.base_products = product_policy(mcfg.cpu_blas, device, dtype)
