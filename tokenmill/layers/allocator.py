@@ -7,7 +7,7 @@ prefill step's activations, tens of MB per layer, were so given back and faulted
 again, page by page and zeroed, step after step: 35,000-190,000 page faults in every
 32 x 128-token prefill of the 0.5B shape. With the thresholds fixed (mappings only from
 32 MB up, the most glibc allows, and the heap trimmed only past 512 MB free) there are
-none, and that prefill ran 3-4% faster, its peak memory unchanged (docs/BENCHMARKS.md).
+none, and that prefill ran 1-4% faster, its peak memory unchanged (docs/BENCHMARKS.md).
 What it costs: memory a step freed stays with the process, up to the activations' peak
 that the next step needs again. vLLM's CPU guide preloads TCMalloc for the same reason.
 
