@@ -6,7 +6,8 @@ configuration, one engine at a time, --rounds times. Printed per configuration a
 round: prefill seconds, prompt tokens/s, the products' GFLOP/s (2 x a dense decoder's
 weights per prompt token, the LM head and attention left out), its share of the host's
 GEMM ceiling (`machine_ceilings`, measured again at the start of each run unless
---cached-ceilings), and the whole run's output tokens/s.
+--cached-ceilings), the page faults the prefill took (memory handed back and faulted in
+again: layers/allocator.py), and the whole run's output tokens/s.
 
     python benchmarks/bench_prefill.py \\
         --configs "sliced:cpu_blas=native" "whole:cpu_blas=native,mlp_slice_rows=0"
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import sys
 import time
 from collections.abc import Iterator
@@ -95,9 +97,11 @@ def main() -> None:
     for name, llm in engines(args, model, prompts):
         flops_per_token = 2 * decoder_weights(llm.engine.executor.worker.runner.arch)
         for round_ in range(args.rounds):
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             started = time.perf_counter()
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
             prefill = time.perf_counter() - started
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             started = time.perf_counter()
             llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens,
                                                  ignore_eos=True))
@@ -105,7 +109,8 @@ def main() -> None:
             gflops = prompt_tokens * flops_per_token / prefill / 1e9
             print(f"{name:<12} round {round_ + 1}: prefill {prefill:6.1f} s "
                   f"{prompt_tokens / prefill:7.0f} tok/s {gflops:6.1f} GFLOP/s "
-                  f"({gflops / ceilings.matmul_gflops:.2f} of the ceiling); whole "
+                  f"({gflops / ceilings.matmul_gflops:.2f} of the ceiling, {faults} page "
+                  f"faults); whole "
                   f"{args.requests} x ({args.prompt} + {args.new_tokens}): "
                   f"{args.requests * args.new_tokens / whole:6.1f} out tok/s", flush=True)
         del llm  # before the next engine is built
