@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.server.conftest import API_KEY, MODEL_NAME, start_server
+from tokenmill.bench import peer_install
 from tokenmill.bench import peers as peers_module
 from tokenmill.bench.compare import build_configs, parse_config
 from tokenmill.bench.peers import LlamaCppPeer, VllmPeer, available_peers, peer_name
@@ -104,7 +105,7 @@ def test_config_specs_parse_and_validate():
 def test_absent_peers_are_skipped_with_a_message(tmp_path, monkeypatch):
     monkeypatch.setattr(peers_module, "PEERS_DIR", tmp_path)
     monkeypatch.setattr(peers_module.shutil, "which", lambda name: None)
-    monkeypatch.setattr(peers_module, "TCMALLOC_PATTERNS", (str(tmp_path / "none*"),))
+    monkeypatch.setattr(peer_install, "TCMALLOC_PATTERNS", (str(tmp_path / "none*"),))
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert LlamaCppPeer().detect() is None and VllmPeer().detect() is None
     messages: list[str] = []
@@ -140,9 +141,9 @@ def test_vllm_peer_preloads_what_its_cpu_guide_asks(tmp_path, monkeypatch):
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     tcmalloc = tmp_path / "libtcmalloc_minimal.so.4"
     tcmalloc.touch()
-    monkeypatch.setattr(peers_module, "TCMALLOC_PATTERNS", (str(tmp_path / "none*"),
+    monkeypatch.setattr(peer_install, "TCMALLOC_PATTERNS", (str(tmp_path / "none*"),
                                                             str(tcmalloc) + "*"))
-    monkeypatch.setattr(peers_module.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(peer_install.platform, "machine", lambda: "x86_64")
     vllm = VllmPeer()
     (vllm.venv / "lib").mkdir(parents=True)
     (vllm.venv / "lib" / "libiomp5.so").touch()

