@@ -345,9 +345,10 @@ class VllmPeer(ServerPeer):
                  "--max-num-seqs", str(max_concurrency)], env)
 
     def describe(self) -> str:
-        described, preload = super().describe(), (self._command or ([], {}))[1]
+        described = super().describe()
+        env = self._command[1] if self._command else None  # the server it last started
         missing = [name for name in ("libtcmalloc", "libiomp")
-                   if self._command and name not in preload.get("LD_PRELOAD", "")]
+                   if env is not None and name not in env.get("LD_PRELOAD", "")]
         if missing:  # the report says the peer ran short of its guide's settings
             described += (f"; not preloaded, as vLLM's CPU guide asks: {', '.join(missing)}"
                           " (libtcmalloc: apt install libtcmalloc-minimal4)")
