@@ -4,10 +4,11 @@ glibc's malloc gives the top of its heap back to the kernel once more than
 M_TRIM_THRESHOLD bytes lie free there, and serves blocks above M_MMAP_THRESHOLD from
 fresh mappings that a free unmaps; both thresholds move with the sizes it has seen. A
 prefill step's activations, tens of MB per layer, were so given back and faulted in
-again, page by page and zeroed, step after step: 35,000-190,000 page faults in every
+again, page by page and zeroed, step after step: 96,000-185,000 page faults in every
 32 x 128-token prefill of the 0.5B shape. With the thresholds fixed (mappings only from
-32 MB up, the most glibc allows, and the heap trimmed only past 512 MB free) there are
-none, and that prefill ran 1-4% faster, its peak memory unchanged (docs/BENCHMARKS.md).
+32 MB up, the most glibc allows, and the heap trimmed only past 512 MB free) a few
+are left once the heap has grown, and that prefill ran 1-4% faster, its peak memory
+unchanged (docs/BENCHMARKS.md).
 What it costs: memory a step freed stays with the process, up to the activations' peak
 that the next step needs again. vLLM's CPU guide preloads TCMalloc for the same reason.
 
