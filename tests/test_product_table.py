@@ -58,6 +58,20 @@ def test_a_cell_slower_than_more_rows_is_measured_again(monkeypatch):
     assert seconds["torch"] == {1: 0.001, 8: 0.008, 32: 0.032}
 
 
+def test_a_library_whose_threads_spin_is_left_to_settle_before_the_next_timing(monkeypatch):
+    # OpenBLAS's workers spin after its calls: a candidate timed right after them ran on
+    # one core (the native kernel at 2x its cost on a Zen 5 host, and the probe chose
+    # oneDNN on it). Every timing after a spinning library's comes after a rest.
+    events = []
+    monkeypatch.setattr(table, "one_pass", lambda functions, xs: events.append("pass") or 1e-3)
+    monkeypatch.setattr(table.time, "sleep", lambda s: events.append(("sleep", s)))
+    table.measure([(16, 16)], (1, 8), threads=1, repeats=2, candidates=["numpy", "torch"])
+    # Per row count: numpy's warm-up and 2 passes, the rest, then torch's 3 passes.
+    per_rows = ["pass"] * 3 + [("sleep", table.SETTLE_S)] + ["pass"] * 3
+    assert events == per_rows * 2
+    assert table.SPINNING == {"numpy"} and table.SETTLE_S >= 0.1
+
+
 def test_the_probe_runs_once_and_auto_follows_it(tmp_path, monkeypatch):
     monkeypatch.setattr(table, "CACHE", tmp_path)
     monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "1")

@@ -44,6 +44,14 @@ PROBE_ROWS = (1, 8, 32, 128)
 # The probe's weights: a Qwen2.5-0.5B-like MLP's three matrices, ~52 MB in float32
 # (over a 32 MB L3, so one-row products stream from memory as a model's do).
 PROBE_SHAPES = ((4864, 896), (4864, 896), (896, 4864))
+# Candidates whose library runs its own thread pool, and how long to let its threads
+# settle after its passes: NumPy's OpenBLAS workers spin on the cores for a while after
+# each call (2^28 cycles by default), so whatever was timed next ran on one core. On a
+# Zen 5 host the probe timed the native kernel at 128 rows at 2.0x its real cost right
+# after OpenBLAS's passes (15.5 ms against 7.6 alone) and chose oneDNN over it; 0.1 s of
+# rest measured clean there (docs/BENCHMARKS.md).
+SPINNING = frozenset({"numpy"})
+SETTLE_S = 0.2
 
 
 def host_key(threads: int) -> str:
@@ -105,7 +113,8 @@ def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], threads: int,
     """Seconds for one pass of products over `shapes` ([out, in] weights) at each row
     count, per candidate: the fastest of `repeats` consecutive passes after a warm-up
     (consecutive: a library's threads spin a while after its call, which would slow
-    the next library's pass), the candidates taking turns per row count."""
+    the next library's pass; after a SPINNING library's passes the next timing waits
+    for its threads to settle), the candidates taking turns per row count."""
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(out, inp, generator=generator) * 0.02 for out, inp in shapes]
     candidates = candidates or available_candidates()
@@ -116,7 +125,10 @@ def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], threads: int,
     def timed(candidate: str, n: int) -> float:
         with candidate_threads(threads):
             one_pass(functions[candidate], inputs[n])  # warm-up
-            return min(one_pass(functions[candidate], inputs[n]) for _ in range(repeats))
+            best = min(one_pass(functions[candidate], inputs[n]) for _ in range(repeats))
+        if candidate in SPINNING:
+            time.sleep(SETTLE_S)  # its pool's threads stop spinning before the next timing
+        return best
 
     out: dict[str, dict[int, float]] = {c: {} for c in candidates}
     for n in rows:
