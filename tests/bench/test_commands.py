@@ -12,7 +12,8 @@ from tests.server.conftest import API_KEY, MODEL_NAME, start_server
 from tokenmill.bench import peer_install
 from tokenmill.bench import peers as peers_module
 from tokenmill.bench.compare import build_configs, parse_config
-from tokenmill.bench.peers import LlamaCppPeer, VllmPeer, available_peers, peer_name
+from tokenmill.bench.peer_registry import available_peers, peer_name
+from tokenmill.bench.peers import LlamaCppPeer, VllmPeer
 from tokenmill.cli import main
 
 ENGINE = ["--num-threads", "1", "--log-level", "error"]
@@ -178,20 +179,21 @@ def test_transformers_peer_times_every_token_of_every_request(llama_dir):
 
 
 def test_transformers_peer_runs_on_the_engines_device_and_dtype(llama_dir):
-    from tokenmill.bench.peers import TransformersPeer, place_in_process_peers
+    from tokenmill.bench.peer_registry import place_peers
+    from tokenmill.bench.peers import TransformersPeer
     from tokenmill.bench.workload import WorkloadSpec, build_workload
 
     llama_cpp, peer = LlamaCppPeer(), TransformersPeer()
-    place_in_process_peers([llama_cpp, peer], "auto", "auto")
+    place_peers([llama_cpp, peer], "auto", "auto", {})
     assert (peer.device, peer.dtype) == ("cpu", "float32")  # auto, as the engine resolves
-    place_in_process_peers([llama_cpp, peer], "cpu", "bfloat16")
+    place_peers([llama_cpp, peer], "cpu", "bfloat16", {})
     assert (peer.device, peer.dtype) == ("cpu", "bfloat16")
     assert ", cpu, bfloat16, " in peer.describe()
     workload = build_workload(WorkloadSpec(num_requests=2, input_len=6, output_len=3), 384)
     run = peer.run(str(llama_dir), workload, None, threads=1, progress=False)
     assert next(peer._loaded[1].parameters()).dtype == torch.bfloat16
     assert [r.output_tokens for r in run.records] == [3, 3]
-    place_in_process_peers([peer], "cpu", "float32")  # placed again: not the cached model
+    place_peers([peer], "cpu", "float32", {})  # placed again: not the cached model
     peer.run(str(llama_dir), workload, None, threads=1, progress=False)
     assert next(peer._loaded[1].parameters()).dtype == torch.float32
 

@@ -38,10 +38,10 @@ def add_bench_subcommands(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_peers(args: argparse.Namespace) -> int:
     from tokenmill.bench.peer_install import install_peers
-    from tokenmill.bench.peers import PEERS
+    from tokenmill.bench.peer_registry import INSTALLABLE, PEERS
 
     if args.action == "install":
-        return install_peers(args.peer or ["llamacpp", "vllm"], torch_wheel=args.torch_wheel,
+        return install_peers(args.peer or list(INSTALLABLE), torch_wheel=args.torch_wheel,
                              jobs=args.jobs)
     for name in args.peer or list(PEERS):
         found = PEERS[name]().detect()
@@ -50,11 +50,11 @@ def _cmd_peers(args: argparse.Namespace) -> int:
 
 
 def _add_peers_arguments(parser: argparse.ArgumentParser) -> None:
-    from tokenmill.bench.peers import PEERS
+    from tokenmill.bench.peer_registry import PEERS
 
     parser.add_argument("action", choices=("list", "install"), nargs="?", default="list")
     parser.add_argument("--peer", action="append", choices=sorted(PEERS), default=None,
-                        help="repeatable; default: all")
+                        help="repeatable; default: all (install: llamacpp and vllm)")
     parser.add_argument("--torch-wheel", default=None,
                         help="the local torch wheel to pin peers to (default: /opt/wheels)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 2,

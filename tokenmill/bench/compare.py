@@ -28,7 +28,7 @@ import torch
 from tokenmill.bench.ceilings import describe, host_description, machine_ceilings
 from tokenmill.bench.driver import run_engine_workload, warm_up
 from tokenmill.bench.metrics import summarize
-from tokenmill.bench.peers import available_peers, peer_name, place_in_process_peers
+from tokenmill.bench.peer_registry import available_peers, peer_name, place_peers
 from tokenmill.bench.report import SystemResult, write_report
 from tokenmill.bench.workload import WorkloadRequest
 from tokenmill.config import EngineConfig
@@ -153,7 +153,8 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
                   if args.concurrency else [None])
         peer_names = [p for p in (args.peers or "").split(",") if p]
         peers = available_peers(peer_names)
-        place_in_process_peers(peers, base.model.device, base.model.dtype)
+        first_options = {**base_options, **parse_config(args.configs[0]).options}
+        place_peers(peers, base.model.device, base.model.dtype, first_options)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -136,6 +136,8 @@ def install_peers(names: Sequence[str], torch_wheel: str | None = None, jobs: in
     for name in names:
         if name == "transformers":
             print("transformers runs in-process from tokenmill's venv; nothing to install")
+        elif name == "tokenmill-serve":
+            print("tokenmill-serve runs this checkout's `tokenmill serve`; nothing to install")
         elif name == "vllm":
             install_vllm(wheel)
         elif name == "llamacpp":

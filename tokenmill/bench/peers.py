@@ -6,6 +6,7 @@
 The two servers live under ~/.cache/tokenmill/peers/ (see `tokenmill bench peers
 install`), never in tokenmill's venv, and are driven through the same load generator
 as tokenmill's own server. A peer that is not installed is skipped with a message.
+tokenmill's own server as a peer: served_peer.py; the registry by name: peer_registry.py.
 """
 
 from __future__ import annotations
@@ -353,44 +354,3 @@ class VllmPeer(ServerPeer):
             described += (f"; not preloaded, as vLLM's CPU guide asks: {', '.join(missing)}"
                           " (libtcmalloc: apt install libtcmalloc-minimal4)")
         return described
-
-
-PEERS: dict[str, type[Peer]] = {"transformers": TransformersPeer, "llamacpp": LlamaCppPeer,
-                                "vllm": VllmPeer}
-
-
-def peer_name(spec: str) -> str:
-    """The name a peer spec reports under: `llamacpp:q8_0` -> llamacpp-q8_0."""
-    base, _, variant = spec.partition(":")
-    return f"{base}-{variant}" if variant and variant != "f32" else base
-
-
-def available_peers(names: Sequence[str], log=print) -> list[Peer]:
-    """Instances of the named peers that are installed; the others are reported, skipped.
-    llama.cpp takes its GGUF type after a colon (`llamacpp:q8_0`; f32 by default)."""
-    peers = []
-    for name in names:
-        name, _, variant = name.partition(":")
-        if name not in PEERS or (variant and name != "llamacpp"):
-            raise ValueError(f"unknown peer {name + (':' + variant if variant else '')!r}; "
-                             f"known: {sorted(PEERS)} (llamacpp:<gguf type>)")
-        peer = PEERS[name](variant) if variant else PEERS[name]()
-        found = peer.detect()
-        if found is None:
-            log(f"skipping {peer.missing_message()}")
-            continue
-        log(f"peer {peer.name}: {found}")
-        peers.append(peer)
-    return peers
-
-
-def place_in_process_peers(peers: Sequence[Peer], device: str, dtype: str) -> None:
-    """Run the in-process transformers peer on the engines' device and in their dtype
-    (`auto` resolves as the engine's loader does: bfloat16 on CUDA, float32 on the CPU)."""
-    from tokenmill.model.loader import dtype_name, resolve_device, resolve_dtype
-
-    resolved = resolve_device(device)
-    for peer in peers:
-        if isinstance(peer, TransformersPeer):
-            peer.device = resolved.type
-            peer.dtype = dtype_name(resolve_dtype(dtype, resolved))
