@@ -46,3 +46,22 @@ def test_compare_serves_its_first_config_as_a_peer(llama_dir, tmp_path, monkeypa
     assert served["completed"] == 4 and served["failed"] == 0
     # every request produced its 6 tokens over HTTP, as in-process
     assert served["output_tokens"] == results["small"]["pooled"]["output_tokens"] == 24
+
+
+def test_the_report_flags_a_system_whose_streams_arrived_whole():
+    from tokenmill.bench.metrics import RequestRecord, summarize
+    from tokenmill.bench.report import WHOLE_STREAM_NOTE, SystemResult, markdown_table
+
+    def record(i: int, chunks: int) -> RequestRecord:
+        # 8 tokens, in 8 chunks of one or in one chunk at the end (usage-corrected)
+        times = [1.0 + t for t in range(8)][-chunks:]
+        return RequestRecord(f"r{i}", 16, 0.0, chunk_times=times, chunk_tokens=[1] * chunks,
+                             end_time=8.0, reported_output_tokens=8)
+
+    results = []
+    for name, chunks in (("per-token", 8), ("whole", 1)):
+        records = [record(i, chunks) for i in range(4)]
+        results.append(SystemResult(name, 2, [summarize(records, 8.0)], records))
+    table = markdown_table(results, "per-token")
+    assert f"- whole: {WHOLE_STREAM_NOTE}" in table
+    assert "- per-token:" not in table

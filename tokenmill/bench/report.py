@@ -87,8 +87,28 @@ def markdown_table(results: Sequence[SystemResult], baseline: str) -> str:
                 f"{_ratio(r.output_throughput, base.output_throughput)} | "
                 f"{_ratio(p.tpot_ms.median, base_tpot)} | "
                 f"{'-' if r.spec_acceptance is None else f'{r.spec_acceptance:.1%}'} |")
+        lines += [f"- {name}: {WHOLE_STREAM_NOTE}" for name in whole_streams(group)]
         lines.append("")
     return "\n".join(lines)
+
+
+WHOLE_STREAM_NOTE = (
+    "its streams arrived in one or two chunks each, so its TTFT, TPOT and ITL say when "
+    "the text came, not the tokens (a server that sends no chunk for a token without "
+    "text yet, on a model whose tokens mostly decode to none); its throughput counts "
+    "every token")
+
+
+def whole_streams(group: Sequence[SystemResult]) -> list[str]:
+    """The systems whose requests' outputs (4 tokens or more, the median) came in at most
+    two chunks, the median: their latency columns do not time tokens."""
+    names = []
+    for result in group:
+        done = [r for r in result.records if r.success]
+        if (done and statistics.median(r.output_tokens for r in done) >= 4
+                and statistics.median(len(r.chunk_times) for r in done) <= 2):
+            names.append(result.system)
+    return names
 
 
 def _cdf(ax, values: list[float], label: str) -> None:
