@@ -3,6 +3,7 @@ when asked, before anything is written to them, and the system takes the advice.
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -32,22 +33,37 @@ def eligible(tensor: torch.Tensor) -> bool:
     raise AssertionError("no mapping holds the tensor")
 
 
+# In a fresh process: in this one, memory an earlier test (or engine) advised and freed
+# may stay in the heap (layers/allocator.py keeps freed memory) and serve a later
+# allocation, already eligible, so "not asked, not eligible" would depend on the order.
+_ELIGIBILITY_CHECK = """
+import sys
+import torch
+from tokenmill.layers import huge_pages
+sys.path.insert(0, sys.argv[1])
+from test_huge_pages import eligible
+# 40 MB: above glibc's largest mmap threshold (32 MB), so each is a fresh mapping.
+shape = (10 * 2**20,)
+with huge_pages.for_weights(True):
+    advised = huge_pages.empty_like(torch.empty(0).new_empty(shape))
+    small = huge_pages.empty_like(torch.empty(1000))
+with huge_pages.for_weights(False):
+    plain = huge_pages.empty_like(torch.empty(0).new_empty(shape))
+unasked = huge_pages.empty_like(torch.empty(0).new_empty(shape))  # outside: off
+assert eligible(advised)
+assert not eligible(plain) and not eligible(unasked)
+assert not huge_pages.advise(small)  # under one huge page: not asked
+with huge_pages.for_weights(True):
+    assert not huge_pages.advise(torch.empty(shape, device="meta"))
+"""
+
+
 @needs_madvise_mode
 def test_memory_is_eligible_for_huge_pages_only_when_asked():
-    # 40 MB: above glibc's largest mmap threshold (32 MB), so each is a fresh mapping
-    # of its own, never heap memory an earlier test's advice already covers.
-    shape = (10 * 2**20,)
-    with huge_pages.for_weights(True):
-        advised = huge_pages.empty_like(torch.empty(0).new_empty(shape))
-        small = huge_pages.empty_like(torch.empty(1000))
-    with huge_pages.for_weights(False):
-        plain = huge_pages.empty_like(torch.empty(0).new_empty(shape))
-    unasked = huge_pages.empty_like(torch.empty(0).new_empty(shape))  # outside: off
-    assert eligible(advised)
-    assert not eligible(plain) and not eligible(unasked)
-    assert not huge_pages.advise(small)  # under one huge page: not asked
-    with huge_pages.for_weights(True):
-        assert not huge_pages.advise(torch.empty(shape, device="meta"))
+    done = subprocess.run([sys.executable, "-c", _ELIGIBILITY_CHECK,
+                           str(Path(__file__).parent)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 @pytest.mark.parametrize("enabled", [True, False])
