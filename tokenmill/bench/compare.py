@@ -78,7 +78,12 @@ def build_configs(base: dict[str, Any], specs: list[str]) -> list[tuple[str, Eng
     names = [n.name for n in named]
     if len(set(names)) != len(names):
         raise ValueError(f"config names must be unique, got {names}")
-    return [(n.name, EngineConfig.from_kwargs(**{**base, **n.options})) for n in named]
+    return [(n.name, EngineConfig.from_kwargs(**config_options(base, n))) for n in named]
+
+
+def config_options(base: dict[str, Any], named: NamedConfig) -> dict[str, Any]:
+    """A config's engine options: the command line's base, the config's own on top."""
+    return {**base, **named.options}
 
 
 def run_compare(engines: list[tuple[str, LLMEngine]], peers: list, model_dir: str,
@@ -153,7 +158,7 @@ def cmd_bench_compare(args: argparse.Namespace) -> int:
                   if args.concurrency else [None])
         peer_names = [p for p in (args.peers or "").split(",") if p]
         peers = available_peers(peer_names)
-        first_options = {**base_options, **parse_config(args.configs[0]).options}
+        first_options = config_options(base_options, parse_config(args.configs[0]))
         place_peers(peers, base.model.device, base.model.dtype, first_options)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
