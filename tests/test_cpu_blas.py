@@ -99,6 +99,23 @@ def test_native_kernel_at_odd_widths_equals_torch(rows, shape):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("shape", [(16, 3), (160, 37), (1152, 896)])
+def test_packing_in_place_equals_packing_into_a_copy_and_reuses_the_memory(shape,
+                                                                            monkeypatch):
+    """Chunks of blocks smaller than the weight, a last chunk short, one block; a weight
+    that is not alone on its storage or not whole blocks is packed into a copy."""
+    monkeypatch.setattr(native_linear, "IN_PLACE_CHUNK_BYTES", 3 * 16 * shape[1] * 4)
+    weight = torch.randn(*shape)
+    expected = native_linear.pack(weight)
+    assert native_linear.packs_in_place(weight)
+    packed = native_linear.pack_in_place(weight)
+    assert torch.equal(packed, expected) and packed.data_ptr() == weight.data_ptr()
+    shared = torch.randn(2 * shape[0], shape[1])
+    for other in (shared[:shape[0]], shared[shape[0]:], shared.t(),
+                  torch.randn(shape[0] + 1, shape[1])):
+        assert not native_linear.packs_in_place(other)
+
+
 @needs_native
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 8, 13, 33, 300])
 @pytest.mark.parametrize("in_features, intermediate", [(600, 48), (40, 32), (20, 16)])

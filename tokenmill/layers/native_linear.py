@@ -7,8 +7,9 @@ registers, for every row count: one row streams the weight at the memory's pace
 (oneDNN's packed inner product streamed it at 0.5-0.7 of that on this project's AMD
 hosts), many rows multiply at a rate close to oneDNN's. Measured per host like the
 other paths (`tokenmill tune`, the start-up probe of `--cpu-blas auto`). The packed
-copy replaces the plain weight, a tied LM head's too: the embedding reads its rows
-out of the packed blocks (a token's row is one lane of its block). Sums run in another
+form replaces the plain weight, in the loaded weight's own memory where its channels
+fill whole blocks, a tied LM head's too: the embedding reads its rows out of the
+packed blocks (a token's row is one lane of its block). Sums run in another
 order than a BLAS does: results differ from torch's by rounding.
 """
 
@@ -53,6 +54,39 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     source = padded.view(blocks, LANES, in_features).transpose(1, 2)
     packed = huge_pages.empty_like(source)  # in huge pages where the loader asks for them
     return packed.copy_(source)
+
+
+# Bytes of [16, in] blocks `pack_in_place` moves through its scratch at a time.
+IN_PLACE_CHUNK_BYTES = 4 * 2**20
+
+
+def packs_in_place(weight: torch.Tensor) -> bool:
+    """Whether `pack_in_place` takes `weight`: whole blocks of 16 channels, and the only
+    tensor on its storage, contiguous (a fresh parameter)."""
+    storage = weight.untyped_storage()
+    return (weight.shape[0] % LANES == 0 and weight.is_contiguous()
+            and weight.storage_offset() == 0
+            and storage.nbytes() == weight.numel() * weight.element_size())
+
+
+def pack_in_place(weight: torch.Tensor) -> torch.Tensor:
+    """`pack(weight)` in `weight`'s own memory (see `packs_in_place`), which it reuses.
+
+    Block b of 16 channels covers the same bytes in both layouts ([16, in] rows before,
+    [in, 16] after), so blocks are transposed a few at a time through a small scratch.
+    No second copy of the weights is allocated: at load that copy's pages were faulted
+    in afresh, most of the time `pack` took on a VM's cold memory."""
+    out_features, in_features = weight.shape
+    blocks = out_features // LANES
+    rows = weight.detach().view(blocks, LANES, in_features)
+    packed = weight.detach().view(blocks, in_features, LANES)
+    step = max(1, IN_PLACE_CHUNK_BYTES // (LANES * in_features * weight.element_size()))
+    scratch = rows.new_empty(min(step, blocks), LANES, in_features)
+    for start in range(0, blocks, step):
+        stop = min(start + step, blocks)
+        chunk = scratch[:stop - start].copy_(rows[start:stop])
+        packed[start:stop].copy_(chunk.transpose(1, 2))
+    return packed
 
 
 def packed_bytes(layer: Linear, dtype: torch.dtype) -> int:
@@ -128,7 +162,8 @@ class NativeLinearMethod(PlainLinearMethod):
     name = "native"
 
     def finalize(self, layer: Linear) -> None:
-        layer.native_weight = pack(layer.weight)
+        weight = layer.weight
+        layer.native_weight = pack_in_place(weight) if packs_in_place(weight) else pack(weight)
         layer.native_bias = padded_bias(layer.bias, layer.native_weight)
         # One copy of the weight from here on: the packed one (a tied head's embedding
         # reads it too, see `embedding`).
