@@ -4,7 +4,8 @@ quantize, calibrate.
 This module only dispatches: each command's flags and body live in its own module
 (tokenmill/generate.py, server/command.py, bench/commands.py, plan/command.py,
 profile/command.py, train/cli.py, quantize.py, calibrate.py); the shared engine and
-sampling flags are in tokenmill/arguments.py. Command modules are imported when their command runs.
+sampling flags are in tokenmill/arguments.py. A command's module is imported when the
+command runs (all of them only for the overview, `tokenmill --help`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,10 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or with `command` only that command's flags: the other
+    commands' modules (the server's web framework, the benchmarks) then never load,
+    which took ~0.5 s of every start (`tokenmill generate` to its first token)."""
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__.splitlines()[0])
     # Read by `main` before anything loads; listed here for --help.
     parser.add_argument("--isa", choices=CHOICES, default="native",
@@ -45,8 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "tokenmill's kernels without AVX-512 and caps PyTorch, oneDNN, "
                              "MKL and OpenBLAS at AVX2 (also TOKENMILL_ISA); must come first")
     sub = parser.add_subparsers(dest="command", required=True)
-    for module, add in COMMANDS.values():
-        getattr(importlib.import_module(module), add)(sub)
+    for name, (module, add) in COMMANDS.items():
+        if command in (None, name):
+            getattr(importlib.import_module(module), add)(sub)
     # Listed for --help; `main` hands its arguments to tokenmill.train's own parser.
     sub.add_parser("train", add_help=False,
                    help="train the tokenizer and default models (tokenmill train --help)")
@@ -69,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train"]:
         train = importlib.import_module("tokenmill.train.cli")
         return train.main(argv[1:])
-    parser = build_parser()
+    parser = build_parser(argv[0] if argv[:1] and argv[0] in COMMANDS else None)
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
