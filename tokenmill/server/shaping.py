@@ -175,8 +175,10 @@ class CompletionShaper(Shaper):
         if echo_now:
             text = (prompt.text or "") + text
             offset = 0
-        wants_logprobs = self.req.logprobs is not None and positions
-        if not final and not text and not wants_logprobs and not just_finished:
+        # A chunk for every step with new tokens, its text empty where they decode to
+        # none yet (a character's first bytes), as vLLM and llama-server send: a client
+        # sees each token arrive (its time to first token, its inter-token latency).
+        if not final and not text and not positions and not just_finished:
             return None
         logprobs = None
         if self.req.logprobs is not None:
@@ -253,12 +255,12 @@ class ChatShaper(Shaper):
                                                               _content(choice))
             reasoning = (choice.reasoning_content or "")[self.sent_reasoning_chars[choice.index]:]
             self.sent_reasoning_chars[choice.index] += len(reasoning)
-            if (not text and not reasoning and not (self.req.logprobs and positions)
-                    and not just_finished):
-                continue
+            if not text and not reasoning and not positions and not just_finished:
+                continue  # new tokens with no text yet still send a chunk (as above)
             shaped = ChatStreamChoice(
                 index=choice.index,
-                delta=DeltaMessage(content=text or None, reasoning_content=reasoning or None),
+                delta=DeltaMessage(content=text or (None if reasoning else ""),
+                                   reasoning_content=reasoning or None),
                 logprobs=self._logprobs(choice, positions) if self.req.logprobs else None,
                 finish_reason=choice.finish_reason if just_finished else None,
                 stop_reason=choice.stop_reason if just_finished else None)
