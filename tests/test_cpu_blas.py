@@ -99,6 +99,34 @@ def test_native_kernel_at_odd_widths_equals_torch(rows, shape):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
+@needs_native
+def test_threads_taking_each_others_work_give_the_same_bits_as_one_thread():
+    """Four threads on this machine's cores finish their runs unevenly, and those done
+    first take the others' last groups (share_out): every product and fused product
+    equals one thread's bit for bit, whoever ran which group."""
+    library = native_linear.library()
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    stolen = library.stolen_items()
+    try:
+        for rows in (1, 8, 300):
+            for out, inp in ((1152, 896), (896, 1200), (608, 37)):
+                weight, x = torch.randn(out, inp), torch.randn(rows, inp)
+                packed = native_linear.pack(weight)
+                torch.set_num_threads(1)
+                plain = native_linear.linear(x, packed, None, out)
+                fused = native_linear.linear_silu_mul(x, packed, None, out)
+                for count in (2, 3, 4):
+                    torch.set_num_threads(count)
+                    for _ in range(20):
+                        assert torch.equal(native_linear.linear(x, packed, None, out), plain)
+                    assert torch.equal(native_linear.linear_silu_mul(x, packed, None, out),
+                                       fused)
+    finally:
+        torch.set_num_threads(threads)
+    assert library.stolen_items() > stolen
+
+
 @pytest.mark.parametrize("shape", [(16, 3), (160, 37), (1152, 896)])
 def test_packing_in_place_equals_packing_into_a_copy_and_reuses_the_memory(shape,
                                                                             monkeypatch):

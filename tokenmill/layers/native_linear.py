@@ -16,6 +16,7 @@ order than a BLAS does: results differ from torch's by rounding.
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import torch
@@ -28,7 +29,11 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "f32_linear.cpp"
 # -fno-trapping-math: nothing reads the floating-point exception flags, and without it
 # GCC keeps the fused activation's range selects out of vectors under AVX2 (as in
 # row_ops.cpp); it changes no rounding.
-FLAGS = ("-fno-trapping-math",)
+# TOKENMILL_KERNEL_DEFINES ("TM_STEAL=0 TM_CHUNK=128"): another build of the kernel's
+# compile-time settings (csrc/f32_tiles.h), in this process and the ones it starts
+# (a served engine), for A/B runs (benchmarks/with_kernel_build.py sets it).
+FLAGS = ("-fno-trapping-math",
+         *(f"-D{d}" for d in os.environ.get("TOKENMILL_KERNEL_DEFINES", "").split()))
 LANES = 16
 
 

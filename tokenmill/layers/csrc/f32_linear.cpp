@@ -10,8 +10,9 @@
 // in chunks of kChunk so a tile's weights stay in L1/L2 while every row tile of the
 // product passes over them (one row: NB streams and sums per thread, ~2x one block at a
 // time). The work is split over torch's threads by groups of blocks (contiguous memory
-// per thread, each thread's run even to a block), from two row panels on by panels and
-// groups; products of many rows run a slice of rows at a time (in_slices). GCC vector
+// per thread, each thread's run even to a block; one done early takes another's last
+// groups), from two row panels on by panels and groups; products of many rows run a
+// slice of rows at a time (in_slices). GCC vector
 // types keep it portable: one AVX-512 register per block, or two 8-lane halves (AVX2)
 // without. Sums differ from a BLAS's by rounding only.
 //
@@ -27,7 +28,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "f32_tiles.h"
@@ -135,11 +139,69 @@ void in_slices(const Problem& p, bool pack, const Body& body) {
   }
 }
 
+// One thread's run of work items [front, back), both in one word so that taking an
+// item from either end is one compare-and-swap: the owner takes from the front, a
+// thread done with its own run from the back (each item runs once).
+struct alignas(64) Run {
+  std::atomic<uint64_t> span{0};
+
+  void set(uint64_t front, uint64_t back) { span.store(front << 32 | back); }
+  // The item taken (-1: none left) and, from the front, the owner's next (-1: none).
+  std::pair<int64_t, int64_t> take(bool front) {
+    uint64_t v = span.load(std::memory_order_relaxed);
+    for (;;) {
+      const uint64_t f = v >> 32, b = v & 0xffffffffu;
+      if (f >= b) return {-1, -1};
+      const uint64_t next = front ? (f + 1) << 32 | b : f << 32 | (b - 1);
+      if (span.compare_exchange_weak(v, next, std::memory_order_acq_rel))
+        return front ? std::pair<int64_t, int64_t>(f, f + 1 < b ? f + 1 : -1)
+                     : std::pair<int64_t, int64_t>(b - 1, -1);
+    }
+  }
+};
+
+// Items a thread took from another's run, since the library loaded (tests read it).
+std::atomic<int64_t> stolen_items{0};
+
+// item(i, next) for every i in [0, n), split over torch's threads as at::parallel_for
+// splits it (a contiguous run each); `next` is the item the thread takes after i (-1:
+// none known), whose first columns the item fetches ahead. With TM_STEAL a thread done
+// with its run takes the others' last items. Items write disjoint outputs, so the
+// results are the same bits whoever runs them.
+template <typename Item>
+void share_out(int64_t n, const Item& item) {
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  if (!TM_STEAL || threads == 1) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) item(i, i + 1 < end ? i + 1 : -1);
+    });
+    return;
+  }
+  const int64_t chunk = (n + threads - 1) / threads;
+  std::vector<Run> runs(threads);
+  for (int64_t t = 0; t < threads; ++t)
+    runs[t].set(std::min(n, t * chunk), std::min(n, (t + 1) * chunk));
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (auto [i, next] = runs[t].take(true); i >= 0; std::tie(i, next) = runs[t].take(true))
+        item(i, next);
+      for (int64_t k = 1; k < threads; ++k) {
+        Run& other = runs[(t + k) % threads];
+        for (int64_t i = other.take(false).first; i >= 0; i = other.take(false).first) {
+          stolen_items.fetch_add(1, std::memory_order_relaxed);
+          item(i, -1);
+        }
+      }
+    }
+  });
+}
+
 // fn(m0, m1, g, after) for every panel of rows [m0, m1) and group g of `groups`, split
 // over torch's threads as one list, panel by panel; `after` is the group the thread takes
-// next (-1: none), whose first columns fn fetches ahead. A thread's share is contiguous:
-// from two panels on, threads take whole panels, each its own panel of x (a 512-row
-// down projection 1.2x on an Intel host, docs/BENCHMARKS.md).
+// next (-1: none), whose first columns fn fetches ahead. A thread's share is contiguous
+// (share_out), until it takes another's last items: from two panels on, threads take
+// whole panels, each its own panel of x (a 512-row down projection 1.2x on an Intel
+// host, docs/BENCHMARKS.md).
 template <typename Fn>
 void panels_and_groups(int64_t M, int64_t groups, const Fn& fn) {
   const int64_t panels = (M + kPanel - 1) / kPanel;
@@ -151,11 +213,9 @@ void panels_and_groups(int64_t M, int64_t groups, const Fn& fn) {
     });
     return;
   }
-  at::parallel_for(0, panels * groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const int64_t m0 = i / groups * kPanel;
-      fn(m0, std::min(M, m0 + kPanel), i % groups, i + 1 < end ? (i + 1) % groups : -1);
-    }
+  share_out(panels * groups, [&](int64_t i, int64_t next) {
+    const int64_t m0 = i / groups * kPanel;
+    fn(m0, std::min(M, m0 + kPanel), i % groups, next >= 0 ? next % groups : -1);
   });
 }
 
@@ -276,5 +336,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_decode_rows", &set_decode_rows,
         "rows up to which products take the decode tiles (0: never)");
   m.def("decode_rows", [] { return decode_rows; }, "the current decode-tile limit");
+  m.def("stolen_items", [] { return stolen_items.load(); },
+        "work items a thread took from another's run since the library loaded");
   m.attr("max_decode_rows") = kDecodeRows;
 }

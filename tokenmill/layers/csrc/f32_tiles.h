@@ -149,6 +149,13 @@ constexpr int64_t kPanel = TM_PANEL;
 #ifndef TM_EVEN_SHARES
 #define TM_EVEN_SHARES 1
 #endif
+// A thread done with its own run of work items takes the items another has not begun,
+// from the back of its run (f32_linear.cpp's share_out): a thread the OS has taken the
+// core from (a served engine shares two cores with its event loop and clients) no
+// longer holds up the product. 0 builds the fixed split.
+#ifndef TM_STEAL
+#define TM_STEAL 1
+#endif
 // Row tiles of even sizes: a product's rows split into as few tiles as kRowTile allows,
 // each within one row of the others (32 rows under AVX2: 6 6 5 5 5 5, not 6 6 6 6 6 2).
 // A small tail tile has too few accumulators to hide the multiply-add latency and runs
