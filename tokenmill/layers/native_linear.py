@@ -66,8 +66,9 @@ IN_PLACE_CHUNK_BYTES = 4 * 2**20
 
 
 def packs_in_place(weight: torch.Tensor) -> bool:
-    """Whether `pack_in_place` takes `weight`: whole blocks of 16 channels, and the only
-    tensor on its storage, contiguous (a fresh parameter)."""
+    """Whether `pack_in_place` takes `weight`: whole blocks of 16 channels, contiguous,
+    and its storage holds nothing else (a freshly loaded parameter; the plain layout is
+    gone afterwards, so a caller must not read the weight as [out, in] again)."""
     storage = weight.untyped_storage()
     return (weight.shape[0] % LANES == 0 and weight.is_contiguous()
             and weight.storage_offset() == 0
