@@ -37,7 +37,6 @@ marks = [("", usage())]
 def mark(name):
     marks.append((name, usage()))
 import torch
-import tokenmill.layers.linear
 import tokenmill.model.loader as loader
 from tokenmill.cli import main
 mark("imports")
