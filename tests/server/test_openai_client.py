@@ -90,8 +90,6 @@ def test_streamed_completion_concatenates_to_the_full_text(server, offline, asyn
     chunks = asyncio.run(run())
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == expected.text
-    # A chunk per token, empty where the token has no text yet (as vLLM streams).
-    assert len([c for c in chunks if c.choices]) == 16
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 16
     assert chunks[-1].choices == []
@@ -127,7 +125,6 @@ def test_streamed_chat_concatenates_to_the_full_text(offline, async_client):
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == expected.text
-    assert len([c for c in chunks if c.choices]) == 1 + len(expected.token_ids)
     assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
 
 
