@@ -95,3 +95,63 @@ def test_empty_token_chunks_time_the_stream_the_finishing_chunk_does_not():
     _consume_event("data: " + json.dumps({"choices": [{"text": "x", "finish_reason": "stop"}]}),
                    last, 2.0)
     assert last.chunk_times == [1.0, 2.0]
+
+
+async def _one_request_per_connection(reader: asyncio.StreamReader,
+                                      writer: asyncio.StreamWriter) -> None:
+    """A server that streams one completion on a connection, keeps it open without
+    saying so, and drops it when a second request arrives on it (llama-server's
+    kept-alive connections did that to the load generator)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length"))
+    await reader.readexactly(length)
+    events = [{"choices": [{"text": "a", "index": 0, "finish_reason": None}]},
+              {"choices": [{"text": "b", "index": 0, "finish_reason": "length"}],
+               "usage": {"completion_tokens": 2}}]
+    body = [f"data: {json.dumps(e)}\n\n".encode() for e in events] + [b"data: [DONE]\n\n"]
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                 b"Transfer-Encoding: chunked\r\n\r\n")
+    for part in body:
+        writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+    writer.write(b"0\r\n\r\n")
+    await writer.drain()
+    try:  # the next request on this connection (or the client's close), then drop it
+        await asyncio.wait_for(reader.read(1), 5.0)
+    except TimeoutError:
+        pass
+    writer.close()
+
+
+def test_every_request_gets_a_connection_of_its_own():
+    async def run():
+        server = await asyncio.start_server(_one_request_per_connection, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            config = LoadConfig(f"http://127.0.0.1:{port}", concurrency=1)
+            return await run_load(config, workload(6), progress=False)
+
+    result = asyncio.run(run())
+    assert [r.error for r in result.records if not r.success] == []
+    assert [r.output_tokens for r in result.records] == [2] * 6
+
+
+def test_the_report_names_failed_requests_and_their_errors():
+    from tokenmill.bench.metrics import summarize
+    from tokenmill.bench.report import SystemResult, markdown_table
+
+    def record(i: int, error: str | None) -> RequestRecord:
+        if error:
+            return RequestRecord(f"r{i}", 16, 0.0, end_time=0.1, success=False, error=error)
+        return RequestRecord(f"r{i}", 16, 0.0, chunk_times=[1.0, 2.0], chunk_tokens=[1, 1],
+                             end_time=2.0)
+
+    clean = [record(i, None) for i in range(4)]
+    broken = [record(0, None), record(1, None), record(2, "ServerDisconnectedError: x"),
+              record(3, "ServerDisconnectedError: x")]
+    results = [SystemResult("clean", 2, [summarize(clean, 2.0)], clean),
+               SystemResult("broken", 2, [summarize(broken, 2.0)], broken)]
+    table = markdown_table(results, "clean")
+    assert "- **broken: 2 of 4 requests failed** (2 x ServerDisconnectedError: x)" in table
+    assert "**clean" not in table
+    assert results[1].to_json()["errors"] == {"ServerDisconnectedError: x": 2}

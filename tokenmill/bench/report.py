@@ -8,6 +8,7 @@ Plots (matplotlib, Agg backend, no display needed):
 
 from __future__ import annotations
 
+import collections
 import json
 import statistics
 from collections.abc import Sequence
@@ -54,7 +55,11 @@ class SystemResult:
                 "request_throughput_median": self.request_throughput,
                 "spec_acceptance": self.spec_acceptance,
                 "repetitions": [s.to_json() for s in self.summaries],
-                "pooled": self.pooled.to_json()}
+                "pooled": self.pooled.to_json(), "errors": dict(self.errors())}
+
+    def errors(self) -> collections.Counter[str]:
+        """The failed requests' errors, with how many of them each ended with."""
+        return collections.Counter(r.error or "unknown" for r in self.records if not r.success)
 
 
 def _label(concurrency: int | None) -> str:
@@ -88,6 +93,7 @@ def markdown_table(results: Sequence[SystemResult], baseline: str) -> str:
                 f"{_ratio(p.tpot_ms.median, base_tpot)} | "
                 f"{'-' if r.spec_acceptance is None else f'{r.spec_acceptance:.1%}'} |")
         lines += [f"- {name}: {WHOLE_STREAM_NOTE}" for name in whole_streams(group)]
+        lines += failure_notes(group)
         lines.append("")
     return "\n".join(lines)
 
@@ -97,6 +103,20 @@ WHOLE_STREAM_NOTE = (
     "the text came, not the tokens (a server that sends no chunk for a token without "
     "text yet, on a model whose tokens mostly decode to none); its throughput counts "
     "every token")
+
+
+def failure_notes(group: Sequence[SystemResult]) -> list[str]:
+    """A line for each system with failed requests: how many, and why. Its throughput
+    counts only the requests that completed, so its row is no fair comparison."""
+    notes = []
+    for result in group:
+        errors = result.errors()
+        if errors:
+            why = "; ".join(f"{count} x {error[:160]}" for error, count in errors.most_common(3))
+            notes.append(f"- **{result.system}: {sum(errors.values())} of {len(result.records)} "
+                         f"requests failed** ({why}); its row counts only the completed "
+                         "ones, so it compares nothing")
+    return notes
 
 
 def whole_streams(group: Sequence[SystemResult]) -> list[str]:

@@ -153,7 +153,11 @@ async def run_load(config: LoadConfig, workload: Sequence[WorkloadRequest],
                    slo: SLO = NO_SLO, progress: bool = True) -> LoadResult:
     # timeout_s bounds each wait for the server (a stream may run longer in all).
     timeout = aiohttp.ClientTimeout(total=None, connect=30.0, sock_read=config.timeout_s)
-    connections = aiohttp.TCPConnector(limit=0)  # no cap: --concurrency is the cap
+    # No cap (--concurrency is the cap), and a connection of its own for every request:
+    # reusing a kept-alive one raced llama-server closing it, and 6 of 32 requests at 8
+    # streams failed before the server saw them ("Can not write request body", "Server
+    # disconnected"), which counted in its throughput as requests never sent.
+    connections = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connections) as client:
         warm = list(workload[:config.num_warmup])
         timed = list(workload[config.num_warmup:])
