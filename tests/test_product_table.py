@@ -41,6 +41,37 @@ def test_every_candidate_is_timed_at_every_row_count():
     assert all(set(times) == {1, 8} and min(times.values()) > 0 for times in seconds.values())
 
 
+def test_copies_put_a_passs_weights_beyond_the_last_level_cache(monkeypatch):
+    monkeypatch.setattr(table, "last_level_cache_bytes", lambda: 32 * 2**20)
+    monkeypatch.setattr(table, "available_memory_bytes", lambda: 2**34)
+    assert table.cold_copies(10 * 2**20, most=24) == 7  # 70 MB >= twice the 32 MB
+    assert table.cold_copies(10 * 2**20, most=3) == 3  # a model has no more layers
+    assert table.cold_copies(100 * 2**20, most=24) == 1  # one pass is beyond it already
+    # Four weight forms of every copy within half the memory available.
+    monkeypatch.setattr(table, "available_memory_bytes", lambda: 200 * 2**20)
+    assert table.cold_copies(10 * 2**20, most=24) == 2
+
+
+def test_a_pass_goes_through_every_copy_and_counts_one(monkeypatch):
+    weights = []
+
+    def product_function(candidate, weight):
+        weights.append(weight)
+        return lambda x: None
+
+    def one_pass(functions, xs):
+        assert len(functions) == len(xs) == 6  # 3 copies x 2 shapes
+        return 0.003 * len(xs)
+
+    monkeypatch.setattr(table, "product_function", product_function)
+    monkeypatch.setattr(table, "one_pass", one_pass)
+    seconds = table.measure([(16, 8), (8, 16)], (1,), threads=1, repeats=1,
+                            candidates=["torch"], copies=3)
+    assert seconds["torch"][1] == pytest.approx(0.006)  # one pass of the two shapes
+    assert len({w.data_ptr() for w in weights}) == 6  # every copy its own memory
+    assert all(torch.equal(weights[i], weights[i % 2]) for i in range(6))
+
+
 def test_a_cell_slower_than_more_rows_is_measured_again(monkeypatch):
     assert table.implausible({"a": {1: 1.0, 8: 5.0, 32: 2.0}, "b": {1: 1.0, 8: 1.0}}) == [
         ("a", 8)]

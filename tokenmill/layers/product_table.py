@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.layers import cpu_blas, native_linear
+from tokenmill.layers.row_slices import last_level_cache_bytes
 from tokenmill.layers.timing import CACHE, cpu_signature
 
 logger = logging.getLogger(__name__)
@@ -106,20 +107,45 @@ def candidate_threads(threads: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def cold_copies(pass_bytes: int, most: int, forms: int = 4) -> int:
+    """Copies of a pass's weights (`pass_bytes` each) to cycle through so that a pass
+    reads them from memory, as a model's decode step does, not from the last-level
+    cache: twice its size in all, at most `most` copies (a model's layer count), and
+    `forms` weight forms of every copy within half the memory available."""
+    wanted = math.ceil(2 * last_level_cache_bytes() / max(pass_bytes, 1))
+    room = available_memory_bytes() // 2 // max(forms * pass_bytes, 1)
+    return max(1, min(most, wanted, room))
+
+
+def available_memory_bytes() -> int:
+    """MemAvailable from /proc/meminfo (unreadable: assume 8 GB)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 8 * 2**30
+
+
 @torch.inference_mode()
 def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], threads: int,
             repeats: int = 5, candidates: list[str] | None = None,
-            progress: Callable[[str], None] | None = None) -> dict[str, dict[int, float]]:
+            progress: Callable[[str], None] | None = None,
+            copies: int = 1) -> dict[str, dict[int, float]]:
     """Seconds for one pass of products over `shapes` ([out, in] weights) at each row
     count, per candidate: the fastest of `repeats` consecutive passes after a warm-up
     (consecutive: a library's threads spin a while after its call, which would slow
     the next library's pass; after a SPINNING library's passes the next timing waits
-    for its threads to settle), the candidates taking turns per row count."""
+    for its threads to settle), the candidates taking turns per row count. With
+    `copies`, each pass goes through that many copies of the weights (cold_copies),
+    and its time is divided by them."""
     generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(out, inp, generator=generator) * 0.02 for out, inp in shapes]
+    first = [torch.randn(out, inp, generator=generator) * 0.02 for out, inp in shapes]
+    weights = [w if i == 0 else w.clone() for i in range(copies) for w in first]
     candidates = candidates or available_candidates()
     functions = {c: [product_function(c, w) for w in weights] for c in candidates}
-    inputs = {n: [torch.randn(n, w.shape[1], generator=generator) for w in weights]
+    inputs = {n: [torch.randn(n, w.shape[1], generator=generator) for w in first] * copies
               for n in rows}
 
     def timed(candidate: str, n: int) -> float:
@@ -128,7 +154,7 @@ def measure(shapes: list[tuple[int, int]], rows: tuple[int, ...], threads: int,
             best = min(one_pass(functions[candidate], inputs[n]) for _ in range(repeats))
         if candidate in SPINNING:
             time.sleep(SETTLE_S)  # its pool's threads stop spinning before the next timing
-        return best
+        return best / copies
 
     out: dict[str, dict[int, float]] = {c: {} for c in candidates}
     for n in rows:
