@@ -43,12 +43,12 @@ def test_every_candidate_is_timed_at_every_row_count():
 
 def test_copies_put_a_passs_weights_beyond_the_last_level_cache(monkeypatch):
     monkeypatch.setattr(table, "last_level_cache_bytes", lambda: 32 * 2**20)
-    monkeypatch.setattr(table, "available_memory_bytes", lambda: 2**34)
+    monkeypatch.setattr(table, "host_available_memory", lambda: 2**34)
     assert table.cold_copies(10 * 2**20, most=24) == 7  # 70 MB >= twice the 32 MB
     assert table.cold_copies(10 * 2**20, most=3) == 3  # a model has no more layers
     assert table.cold_copies(100 * 2**20, most=24) == 1  # one pass is beyond it already
     # Four weight forms of every copy within half the memory available.
-    monkeypatch.setattr(table, "available_memory_bytes", lambda: 200 * 2**20)
+    monkeypatch.setattr(table, "host_available_memory", lambda: 200 * 2**20)
     assert table.cold_copies(10 * 2**20, most=24) == 2
 
 

@@ -114,7 +114,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         print(f"stored in {decode_tiles_path(threads)}")
     # The weights from memory, as in the model's decode step (one layer's weights can sit
     # in a large last-level cache: on a host with 480 MB of it, one layer's products
-    # timed 1.4x faster than the same products in a pass over the whole model).
+    # timed 1.4x faster than the same products in a pass over the whole model). The LM
+    # head, one matrix, takes up to 4 copies: enough to leave any cache measured so far.
     layer_copies, head_copies = (cold_copies(4 * sum(o * i for o, i in part), most)
                                  for part, most in ((shapes[:-1], layers), (shapes[-1:], 4)))
     print(f"each pass through {layer_copies} copies of a layer's weights and {head_copies} "

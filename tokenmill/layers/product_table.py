@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from tokenmill.layers import cpu_blas, native_linear
 from tokenmill.layers.row_slices import last_level_cache_bytes
-from tokenmill.layers.timing import CACHE, cpu_signature
+from tokenmill.layers.timing import CACHE, cpu_signature, host_available_memory
 
 logger = logging.getLogger(__name__)
 
@@ -113,19 +113,8 @@ def cold_copies(pass_bytes: int, most: int, forms: int = 4) -> int:
     cache: twice its size in all, at most `most` copies (a model's layer count), and
     `forms` weight forms of every copy within half the memory available."""
     wanted = math.ceil(2 * last_level_cache_bytes() / max(pass_bytes, 1))
-    room = available_memory_bytes() // 2 // max(forms * pass_bytes, 1)
+    room = host_available_memory() // 2 // max(forms * pass_bytes, 1)
     return max(1, min(most, wanted, room))
-
-
-def available_memory_bytes() -> int:
-    """MemAvailable from /proc/meminfo (unreadable: assume 8 GB)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 8 * 2**30
 
 
 @torch.inference_mode()

@@ -28,6 +28,19 @@ def cpu_signature() -> str:
     return f"{signature}|capped at {isa}" if isa else signature
 
 
+def host_available_memory() -> int:
+    """Bytes of memory available to a new allocation on this host: MemAvailable, or the
+    free pages where /proc/meminfo cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
 def median_seconds(fn: Callable[[], object], repeats: int = 5) -> float:
     """Median wall time of `repeats` calls of fn, after one untimed warm-up call."""
     fn()

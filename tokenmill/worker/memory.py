@@ -3,7 +3,6 @@ implementation of that arithmetic (the engine's start-up and `tokenmill plan mem
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +13,7 @@ from tokenmill.dist.pipeline import PipelineStage
 from tokenmill.kv.quant import SCALE_DTYPE, is_quantized, storage_dtype
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.products import ProductPolicy, product_policy
+from tokenmill.layers.timing import host_available_memory
 from tokenmill.model.arch import ArchConfig
 from tokenmill.model.loader import (
     linear_weight_formats,
@@ -74,14 +74,7 @@ def available_memory(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return free
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return host_available_memory()
 
 
 def target_products(config: EngineConfig, base: ProductPolicy, dtype: torch.dtype,
