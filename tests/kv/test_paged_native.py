@@ -41,7 +41,7 @@ def test_the_kernel_equals_gathered_attention(heads, kv_heads, head_dim, block_s
 
 
 def test_the_backend_takes_the_kernel_for_one_token_rows_only(monkeypatch, llama_dir):
-    calls = []
+    calls, whole = [], []
     real = kernel.paged_decode
 
     class Spy:
@@ -55,6 +55,12 @@ def test_the_backend_takes_the_kernel_for_one_token_rows_only(monkeypatch, llama
             calls.append(args[0].shape[0])
             return kernel.write_and_decode(*args)
 
+        @staticmethod
+        def rope_write_and_decode(*args):  # ... taken whole from the qkv projection
+            calls.append(args[0].shape[0])
+            whole.append(args[0].shape[0])
+            return kernel.rope_write_and_decode(*args)
+
     monkeypatch.setattr(paged_native, "native_decode", lambda: Spy)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 17, 42, 99, 3], list(range(20, 61))]
@@ -63,6 +69,7 @@ def test_the_backend_takes_the_kernel_for_one_token_rows_only(monkeypatch, llama
     assert ([o.outputs[0].token_ids for o in native.generate(prompts, params)]
             == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
     assert calls and max(calls) == 2  # both requests' decode rows, in place
+    assert whole and max(whole) == 2  # decode-only steps whole from each layer's qkv
     calls.clear()
     quantized = LLM(str(llama_dir), progress=False, attention_backend="paged-native",
                     kv_cache_dtype="int8")
@@ -113,6 +120,11 @@ def test_speculative_rows_take_the_kernel_token_by_token(monkeypatch, llama_dir)
             calls.append((args[0].shape[0], args[6].shape[0]))
             return kernel.write_and_decode(*args)
 
+        @staticmethod
+        def rope_write_and_decode(*args):
+            calls.append((args[0].shape[0], args[6].shape[0]))
+            return kernel.rope_write_and_decode(*args)
+
     monkeypatch.setattr(paged_native, "native_decode", lambda: Spy)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     # Repetitive prompts, so n-gram lookup proposes tokens every step.
@@ -126,3 +138,42 @@ def test_speculative_rows_take_the_kernel_token_by_token(monkeypatch, llama_dir)
     assert [o.outputs[0].token_ids for o in native.generate(prompts, params)] == expected
     # Some step ran more query tokens than requests through the kernel, one table each.
     assert any(tokens > 2 and tables == tokens for tokens, tables in calls)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "rows"), [
+    (14, 2, 64, 1), (14, 2, 64, 5), (8, 8, 32, 3), (4, 1, 16, 2)])
+def test_rope_write_and_decode_equals_the_layer_s_own_steps(heads, kv_heads, head_dim, rows):
+    """A decode step taken whole from the qkv projection: the same bits as the layer's
+    split, in-place rotation (row_ops) and write_and_decode, the pool included."""
+    from tokenmill.layers.rotary import rotate
+
+    generator = torch.Generator().manual_seed(2)
+    blocks, block_size = 64, 16
+    keys = torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator)
+    values = torch.randn(blocks, block_size, kv_heads, head_dim, generator=generator)
+    tables = torch.stack([torch.randperm(blocks, generator=generator)[:4] for _ in range(rows)])
+    lengths = torch.randint(1, 4 * block_size + 1, (rows,), generator=generator)
+    slots = torch.stack([tables[r, (lengths[r] - 1) // block_size] * block_size
+                         + (lengths[r] - 1) % block_size for r in range(rows)])
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=generator)
+    angles = torch.rand(rows, 1, head_dim // 2, generator=generator) * 100
+    rope = (angles.cos(), angles.sin())  # as RotaryEmbedding hands them: [T, 1, D / 2]
+
+    expected_qkv, expected_k, expected_v = qkv.clone(), keys.clone(), values.clone()
+    qk = expected_qkv[:, :(heads + kv_heads) * head_dim].view(rows, heads + kv_heads, head_dim)
+    with torch.inference_mode():  # the compiled rotation, in place (row_ops.rotate_)
+        q, k = rotate(qk, rope).split((heads, kv_heads), dim=1)
+    v = expected_qkv[:, (heads + kv_heads) * head_dim:].view(rows, kv_heads, head_dim)
+    expected = kernel.write_and_decode(q, k, v, slots, expected_k, expected_v, tables, lengths,
+                                       0.125)
+    out = kernel.rope_write_and_decode(qkv, *rope, slots, keys, values, tables, lengths, 0.125,
+                                       heads)
+    assert torch.equal(out, expected.reshape(rows, heads * head_dim))
+    assert torch.equal(qkv, expected_qkv)  # rotated in place, as rotate_ does
+    assert torch.equal(keys, expected_k) and torch.equal(values, expected_v)
+    with pytest.raises(RuntimeError, match="columns"):
+        kernel.rope_write_and_decode(qkv, *rope, slots, keys, values, tables, lengths, 0.125,
+                                     heads + 1)
+    with pytest.raises(RuntimeError, match="cos and sin"):
+        kernel.rope_write_and_decode(qkv, rope[0][:, :, 1:], rope[1], slots, keys, values,
+                                     tables, lengths, 0.125, heads)

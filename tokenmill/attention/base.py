@@ -119,6 +119,16 @@ class AttentionBackend(ABC):
         """Only write k, v into the cache (a layer an early-exited token skips)."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot write K/V alone")
 
+    def decode_qkv(self, layer_index: int, qkv: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
+                   kv_cache: KVCache | None, metadata: Any, scale: float
+                   ) -> torch.Tensor | None:
+        """A step's attention taken straight from the layer's fused projection qkv
+        [T, (H + 2 KVH) D] (rotary embedding, K/V write and attention in one call),
+        [T, H D]; or None where this backend takes this step from `forward` (the layer
+        then splits and rotates q, k, v itself). The result must equal forward's."""
+        return None
+
 
 @dataclass
 class AttentionContext:
@@ -136,3 +146,10 @@ class AttentionContext:
 
     def write(self, layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.backend.write_kv(k, v, self.kv_caches[layer_index], self.metadata)
+
+    def decode_qkv(self, layer_index: int, qkv: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
+                   scale: float) -> torch.Tensor | None:
+        cache = self.kv_caches[layer_index] if self.kv_caches is not None else None
+        return self.backend.decode_qkv(layer_index, qkv, rope, num_heads, cache,
+                                       self.metadata, scale)

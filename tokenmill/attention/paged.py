@@ -67,6 +67,9 @@ class PagedMetadata:
     # The paged-native backend's prefill chunks for its kernel, prepared once per step
     # (attention/prefill_native.py PrefillBatch); None: every chunk takes _prefill.
     native_prefill: Any = None
+    # A decode-only step the paged-native backend takes whole from each layer's qkv
+    # projection (its kernel, block tables, key counts); None: the layers' forward.
+    qkv_route: Any = None
 
 
 class PagedAttention(AttentionBackend):

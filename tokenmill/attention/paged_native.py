@@ -55,13 +55,20 @@ class PagedNativeAttention(PagedAttention):
     # chooses their context keys itself, keeps them on its own path).
     dense_context_prefill = True
 
+    # Whether decode-only steps go whole through the kernel from each layer's qkv
+    # projection (decode_qkv: a float32 cache on the CPU with the kernel built), and
+    # each layer's key and value pools for it, taken once per cache tensor.
+    whole_decode = False
+    _pools: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
     def allocate_state(self, kv_caches: list[KVCache]) -> None:
         # Build (or load) the kernel at start-up, not in the first request's decode:
         # compiling takes ~30 s once per CPU and torch version.
         cache = kv_caches[0] if kv_caches else None
+        self._pools = {}
         if (cache is not None and cache.data.device.type == "cpu" and not cache.quantized
                 and cache.data.dtype == torch.float32):
-            native_decode()
+            self.whole_decode = self.fused_decode and native_decode() is not None
             kernel = native_prefill()
             if kernel is not None and self.spec.head_dim % kernel.lanes() == 0:
                 self.prefill_limit = prefill_native.longest_sequence(
@@ -79,8 +86,32 @@ class PagedNativeAttention(PagedAttention):
                                        kv_cache.data[0], kv_cache.data[1], tables, lengths,
                                        scale)
 
+    def decode_qkv(self, layer_index: int, qkv: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
+                   kv_cache: KVCache | None, metadata: PagedMetadata, scale: float
+                   ) -> torch.Tensor | None:
+        route = metadata.qkv_route
+        if (route is None or kv_cache is None or qkv.dtype != torch.float32
+                or not qkv.is_contiguous()):
+            return None
+        kernel, tables, lengths = route
+        pools = self._pools.get(layer_index)
+        if pools is None or pools[0] is not kv_cache.data:
+            data = kv_cache.data
+            pools = self._pools[layer_index] = (data, data[0], data[1])
+        return kernel.rope_write_and_decode(qkv, rope[0], rope[1], metadata.slot_mapping,
+                                            pools[1], pools[2], tables, lengths, scale,
+                                            num_heads)
+
     def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
         metadata = super().build_metadata(layout)
+        if self.whole_decode and not metadata.prefills and metadata.num_decode_tokens:
+            tables, lengths = ((metadata.decode_block_tables, metadata.decode_lengths)
+                               if metadata.decode_lengths is not None else
+                               (metadata.decode_token_tables, metadata.decode_token_lengths))
+            if lengths is not None:
+                metadata = dataclasses.replace(
+                    metadata, qkv_route=(native_decode(), tables, lengths))
         if not self.prefill_limit:
             return metadata
         taken, rest = [], []

@@ -65,6 +65,13 @@ class Attention(nn.Module):
                 attention: AttentionContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
+        if self.q_norm is None:
+            # A decode step on a backend that takes it whole: rotation, K/V write and
+            # attention in one call (the split and rotation below cost more than the
+            # attention itself at a few rows, run cold after the weights' stream).
+            out = attention.decode_qkv(self.layer_index, qkv, rope, self.num_heads, self.scale)
+            if out is not None:
+                return self.o_proj(out)
         q, k, v = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:

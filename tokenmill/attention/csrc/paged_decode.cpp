@@ -193,8 +193,70 @@ torch::Tensor write_and_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return paged_decode(q, keys, values, tables, lengths, scale);
 }
 
+// Rotary embedding of each row's query and key heads, in place: the arithmetic of
+// row_ops.cpp's rotate_ (the halves of a head rotated by the row's cos and sin), built
+// without this file's fast-math or contracted multiply-adds so that it rounds as
+// rotate_ does, bit for bit.
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math", "fp-contract=off")
+__attribute__((noinline)) void rotate_rows(float* data, int64_t tokens, int64_t row_stride,
+                                           int64_t heads, int64_t half, const float* c,
+                                           const float* s) {
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      float* x1 = data + t * row_stride + h * 2 * half;
+      float* x2 = x1 + half;
+      const float* ct = c + t * half;
+      const float* st = s + t * half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = x1[i], b = x2[i];
+        const float a_cos = a * ct[i], b_sin = b * st[i];
+        const float b_cos = b * ct[i], a_sin = a * st[i];
+        x1[i] = a_cos - b_sin;
+        x2[i] = b_cos + a_sin;
+      }
+    }
+}
+#pragma GCC pop_options
+
+// A decode step's whole attention from the layer's fused projection qkv [T, (H + 2 KVH)
+// Dh] (contiguous): rotate its query and key heads in place by cos and sin ([T, Dh / 2]
+// each, in any shape with that many values), store the keys and values at their slots,
+// attend (paged_decode); returns [T, H Dh]. One call where the Python layer took a
+// split, views, a rotation and the write-and-attend call (each a dispatch that runs
+// cold after the weights' stream).
+torch::Tensor rope_write_and_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                    torch::Tensor slots, torch::Tensor keys,
+                                    torch::Tensor values, torch::Tensor tables,
+                                    torch::Tensor lengths, double scale, int64_t heads) {
+  TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 2 && qkv.is_contiguous(),
+              "rope_write_and_decode takes a contiguous float32 qkv [T, (H + 2 KVH) Dh]");
+  TORCH_CHECK(keys.dim() == 4, "the key pool is [blocks, block size, KVH, Dh]");
+  const int64_t tokens = qkv.size(0), kv_heads = keys.size(2), head_dim = keys.size(3);
+  const int64_t half = head_dim / 2;
+  TORCH_CHECK(heads > 0 && head_dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,
+              "rope_write_and_decode: qkv has ", qkv.size(1), " columns, not (", heads,
+              " + 2 x ", kv_heads, ") x ", head_dim);
+  TORCH_CHECK(cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32 &&
+                  cos.numel() == tokens * half && sin.numel() == tokens * half,
+              "rope_write_and_decode: cos and sin hold [T, Dh / 2] float32 values");
+  const auto c = cos.contiguous(), s = sin.contiguous();
+  rotate_rows(qkv.data_ptr<float>(), tokens, qkv.size(1), heads + kv_heads, half,
+              c.data_ptr<float>(), s.data_ptr<float>());
+  const auto q = qkv.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
+  const auto k = qkv.narrow(1, heads * head_dim, kv_heads * head_dim)
+                     .view({tokens, kv_heads, head_dim});
+  const auto v = qkv.narrow(1, (heads + kv_heads) * head_dim, kv_heads * head_dim)
+                     .view({tokens, kv_heads, head_dim});
+  return write_and_decode(q, k, v, slots, keys, values, tables, lengths, scale)
+      .view({tokens, heads * head_dim});
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention in place over a paged KV cache");
   m.def("write_and_decode", &write_and_decode,
         "store the step's keys and values at their slots, then paged_decode");
+  m.def("rope_write_and_decode", &rope_write_and_decode,
+        "rotate a decode step's qkv projection's query and key heads, then write_and_decode");
 }

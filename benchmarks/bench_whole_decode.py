@@ -1,0 +1,77 @@
+"""A decode step's attention taken whole from each layer's qkv projection (one compiled
+call: rotation, K/V write, attention) against the layer's own steps (split, views,
+rotation, then the write-and-attend call), in one engine, interleaved rounds.
+
+--batch requests of --prompt random tokens + --new-tokens greedy tokens each on the
+random Qwen2.5-0.5B shape (or --model), float32, `paged-native` attention. Each
+round runs both ways (the whole path switched off by making the backend decline it,
+as any backend that does not take it does); the tokens must be identical. Reports the
+time per output token (TPOT: one decode step with every request in flight) of each
+way, its median and the ratio.
+
+    python benchmarks/bench_whole_decode.py [--batch 1] [--rounds 5] [--cpu-blas native]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_core import MODEL_DIR, build_model  # noqa: E402
+
+from tokenmill import LLM, SamplingParams  # noqa: E402
+from tokenmill.attention.paged_native import PagedNativeAttention  # noqa: E402
+from tokenmill.bench.ceilings import host_description  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--cpu-blas", default="native")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    model = args.model or str(build_model(MODEL_DIR))
+    llm = LLM(model, progress=False, num_threads=args.threads, kv_cache_memory=2**28,
+              cpu_blas=args.cpu_blas, attention_backend="paged-native")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
+               for _ in range(args.batch)]
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    whole = PagedNativeAttention.decode_qkv
+    steps = "layer's steps"
+    ways = {"whole": whole, steps: lambda self, *rest: None}
+    tpot: dict[str, list[float]] = {way: [] for way in ways}
+    expected = None
+    print(f"{host_description()}; {args.cpu_blas}, {args.batch} x (prompt {args.prompt} + "
+          f"{args.new_tokens} new), {args.threads} threads")
+    try:
+        for round_ in range(args.rounds + 1):  # the first round warms up
+            for way, method in ways.items():
+                PagedNativeAttention.decode_qkv = method
+                outputs = llm.generate(prompts, params)
+                tokens = [o.outputs[0].token_ids for o in outputs]
+                expected = expected or tokens
+                if tokens != expected:
+                    raise SystemExit(f"{way}: tokens differ from the first way's")
+                if round_:
+                    tpot[way].append(1e3 * statistics.fmean(
+                        o.outputs[0].metrics.time_per_output_token for o in outputs))
+    finally:
+        PagedNativeAttention.decode_qkv = whole
+    medians = {way: statistics.median(times) for way, times in tpot.items()}
+    for way, times in tpot.items():
+        print(f"  {way:14s} TPOT median {medians[way]:6.1f} ms  (rounds "
+              + ", ".join(f"{t:.1f}" for t in times) + ")")
+    print(f"  {steps} / whole: {medians[steps] / medians['whole']:.3f}x")
+
+
+if __name__ == "__main__":
+    main()
