@@ -90,33 +90,39 @@ void attend_share(const Geometry& g, FoldTile fold, const float* query, const fl
 
 }  // namespace
 
-// q [D, H, Dh] (rows may be strided: Q and K come from one rotated tensor); keys, values
-// [blocks, block_size, KVH, Dh]; tables [D, W] int64;
-// lengths [D] int64: keys row d attends to (its context and its own token).
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
-                           torch::Tensor tables, torch::Tensor lengths, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && keys.dtype() == torch::kFloat32 &&
-                  values.dtype() == torch::kFloat32,
+// The checks every entry makes of a step's pool, block tables and key counts, for
+// `rows` query rows of `heads` heads of `head_dim`.
+void check_pool(int64_t rows, int64_t heads, int64_t head_dim, const torch::Tensor& keys,
+                const torch::Tensor& values, const torch::Tensor& tables,
+                const torch::Tensor& lengths) {
+  TORCH_CHECK(keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32,
               "paged_decode takes float32 queries and a float32 cache");
-  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && keys.is_contiguous() &&
-                  values.is_contiguous() && tables.is_contiguous() && lengths.is_contiguous(),
-              "paged_decode takes contiguous tensors (q: contiguous heads in each row)");
-  const int64_t rows = q.size(0);
+  TORCH_CHECK(keys.is_contiguous() && values.is_contiguous() && tables.is_contiguous() &&
+                  lengths.is_contiguous(),
+              "paged_decode takes a contiguous pool, block tables and key counts");
+  TORCH_CHECK(keys.dim() == 4 && values.sizes() == keys.sizes() && keys.size(3) == head_dim &&
+                  heads % keys.size(2) == 0,
+              "paged_decode: the pool is [blocks, block size, KVH, Dh] with KVH dividing H");
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == rows && lengths.numel() == rows,
               "paged_decode: one block table and one key count per query row");
-  const Geometry g{q.size(1), keys.size(2), q.size(1) / keys.size(2), q.size(2), keys.size(1),
+  TORCH_CHECK(tables.dtype() == torch::kInt64 && lengths.dtype() == torch::kInt64,
+              "paged_decode takes int64 block tables and key counts");
+}
+
+// The attention of `rows` query rows (row r's heads contiguous from q_data + r *
+// q_stride) into out_data [rows][heads][head_dim]; check_pool has passed.
+void decode_rows(const float* q_data, int64_t q_stride, int64_t rows, int64_t heads,
+                 int64_t head_dim, const torch::Tensor& keys, const torch::Tensor& values,
+                 const torch::Tensor& tables, const torch::Tensor& lengths, double scale,
+                 float* out_data) {
+  const Geometry g{heads, keys.size(2), heads / keys.size(2), head_dim, keys.size(1),
                    tables.size(1)};
   const FoldTile fold = choose_fold(g.head_dim);
-  auto out = torch::empty({rows, q.size(1), q.size(2)}, q.options());
-  const int64_t q_stride = q.stride(0);
-  const float* q_data = q.data_ptr<float>();
   const float* k_data = keys.data_ptr<float>();
   const float* v_data = values.data_ptr<float>();
   const int64_t* table_data = tables.data_ptr<int64_t>();
   const int64_t* length_data = lengths.data_ptr<int64_t>();
-  float* out_data = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
-
   // Shares per request: enough items for two per thread, none under a few tiles.
   int64_t longest = 0;
   for (int64_t r = 0; r < rows; ++r)
@@ -159,7 +165,43 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor va
       const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
       for (int64_t i = 0; i < g.head_dim; ++i) target[i] *= inverse;
     }
+}
+
+// q [D, H, Dh] (rows may be strided: Q and K come from one rotated tensor); keys, values
+// [blocks, block_size, KVH, Dh]; tables [D, W] int64;
+// lengths [D] int64: keys row d attends to (its context and its own token).
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor keys, torch::Tensor values,
+                           torch::Tensor tables, torch::Tensor lengths, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.stride(2) == 1 &&
+                  q.stride(1) == q.size(2),
+              "paged_decode takes float32 queries q [D, H, Dh] with contiguous heads");
+  const int64_t rows = q.size(0);
+  check_pool(rows, q.size(1), q.size(2), keys, values, tables, lengths);
+  auto out = torch::empty({rows, q.size(1), q.size(2)}, q.options());
+  decode_rows(q.data_ptr<float>(), q.stride(0), rows, q.size(1), q.size(2), keys, values,
+              tables, lengths, scale, out.data_ptr<float>());
   return out;
+}
+
+// Rows of `token_floats` values (row t at rows + t * row_stride) stored at their slots
+// (block * block_size + offset) of the pool (checked_slots has checked them).
+void store_rows(const float* rows, int64_t row_stride, int64_t tokens, const int64_t* slot,
+                float* pool, int64_t token_floats) {
+  for (int64_t t = 0; t < tokens; ++t)
+    std::copy(rows + t * row_stride, rows + t * row_stride + token_floats,
+              pool + slot[t] * token_floats);
+}
+
+const int64_t* checked_slots(const torch::Tensor& slots, int64_t tokens,
+                             const torch::Tensor& keys) {
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.is_contiguous() &&
+                  slots.numel() == tokens,
+              "write_and_decode takes int64 slots, one per row");
+  const int64_t pool_slots = keys.size(0) * keys.size(1);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)  // all checked before any is written
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "write_and_decode: slot out of range");
+  return slot;
 }
 
 // The step's new keys and values k, v [T, KVH, Dh] (rows may be strided) stored at
@@ -169,26 +211,18 @@ torch::Tensor write_and_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
                                torch::Tensor slots, torch::Tensor keys, torch::Tensor values,
                                torch::Tensor tables, torch::Tensor lengths, double scale) {
   TORCH_CHECK(k.dtype() == torch::kFloat32 && v.dtype() == torch::kFloat32 &&
-                  keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32 &&
-                  slots.dtype() == torch::kInt64 && slots.is_contiguous(),
+                  keys.dtype() == torch::kFloat32 && values.dtype() == torch::kFloat32,
               "write_and_decode takes float32 keys and values and int64 slots");
   TORCH_CHECK(keys.is_contiguous() && values.is_contiguous(), "the pool must be contiguous");
   const int64_t token_floats = keys.size(2) * keys.size(3);
-  const int64_t pool_slots = keys.size(0) * keys.size(1);
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  float* key_pool = keys.data_ptr<float>();
-  float* value_pool = values.data_ptr<float>();
-  for (int64_t t = 0; t < slots.numel(); ++t)  // all checked before any is written
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < pool_slots, "write_and_decode: slot out of range");
-  for (const auto& [fresh, pool] : {std::pair{k, key_pool}, std::pair{v, value_pool}}) {
+  const int64_t* slot = checked_slots(slots, k.size(0), keys);
+  for (const auto& [fresh, pool] : {std::pair{k, keys}, std::pair{v, values}}) {
     TORCH_CHECK(fresh.dim() == 3 && fresh.size(0) == slots.numel() &&
                     fresh.size(1) * fresh.size(2) == token_floats && fresh.stride(2) == 1 &&
                     fresh.stride(1) == fresh.size(2),
                 "write_and_decode: k and v are [T, KVH, Dh] with contiguous heads");
-    const float* rows = fresh.data_ptr<float>();
-    for (int64_t t = 0; t < fresh.size(0); ++t)
-      std::copy(rows + t * fresh.stride(0), rows + t * fresh.stride(0) + token_floats,
-                pool + slot[t] * token_floats);
+    store_rows(fresh.data_ptr<float>(), fresh.stride(0), fresh.size(0), slot,
+               pool.data_ptr<float>(), token_floats);
   }
   return paged_decode(q, keys, values, tables, lengths, scale);
 }
@@ -234,23 +268,29 @@ torch::Tensor rope_write_and_decode(torch::Tensor qkv, torch::Tensor cos, torch:
               "rope_write_and_decode takes a contiguous float32 qkv [T, (H + 2 KVH) Dh]");
   TORCH_CHECK(keys.dim() == 4, "the key pool is [blocks, block size, KVH, Dh]");
   const int64_t tokens = qkv.size(0), kv_heads = keys.size(2), head_dim = keys.size(3);
-  const int64_t half = head_dim / 2;
-  TORCH_CHECK(heads > 0 && head_dim % 2 == 0 && qkv.size(1) == (heads + 2 * kv_heads) * head_dim,
-              "rope_write_and_decode: qkv has ", qkv.size(1), " columns, not (", heads,
+  const int64_t half = head_dim / 2, width = qkv.size(1);
+  TORCH_CHECK(heads > 0 && head_dim % 2 == 0 && width == (heads + 2 * kv_heads) * head_dim,
+              "rope_write_and_decode: qkv has ", width, " columns, not (", heads,
               " + 2 x ", kv_heads, ") x ", head_dim);
   TORCH_CHECK(cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32 &&
                   cos.numel() == tokens * half && sin.numel() == tokens * half,
               "rope_write_and_decode: cos and sin hold [T, Dh / 2] float32 values");
+  check_pool(tokens, heads, head_dim, keys, values, tables, lengths);
+  const int64_t* slot = checked_slots(slots, tokens, keys);
+  // Raw pointers from here on: no tensor views (each a dispatch, run cold).
   const auto c = cos.contiguous(), s = sin.contiguous();
-  rotate_rows(qkv.data_ptr<float>(), tokens, qkv.size(1), heads + kv_heads, half,
-              c.data_ptr<float>(), s.data_ptr<float>());
-  const auto q = qkv.narrow(1, 0, heads * head_dim).view({tokens, heads, head_dim});
-  const auto k = qkv.narrow(1, heads * head_dim, kv_heads * head_dim)
-                     .view({tokens, kv_heads, head_dim});
-  const auto v = qkv.narrow(1, (heads + kv_heads) * head_dim, kv_heads * head_dim)
-                     .view({tokens, kv_heads, head_dim});
-  return write_and_decode(q, k, v, slots, keys, values, tables, lengths, scale)
-      .view({tokens, heads * head_dim});
+  float* data = qkv.data_ptr<float>();
+  rotate_rows(data, tokens, width, heads + kv_heads, half, c.data_ptr<float>(),
+              s.data_ptr<float>());
+  const int64_t token_floats = kv_heads * head_dim;
+  store_rows(data + heads * head_dim, width, tokens, slot, keys.data_ptr<float>(),
+             token_floats);
+  store_rows(data + heads * head_dim + token_floats, width, tokens, slot,
+             values.data_ptr<float>(), token_floats);
+  auto out = torch::empty({tokens, heads * head_dim}, qkv.options());
+  decode_rows(data, width, tokens, heads, head_dim, keys, values, tables, lengths, scale,
+              out.data_ptr<float>());
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
