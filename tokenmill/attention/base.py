@@ -6,8 +6,10 @@ request's tokens sit, how much context each has cached, which blocks hold it, th
 slot every new token's K/V goes to). A backend turns that into whatever metadata it
 needs (`build_metadata`), may keep per-layer state beside the paged KV cache
 (`allocate_state`), and computes one layer's attention given the layer's index. The
-model only calls `AttentionContext(layer_index, q, k, v, scale)`: it never knows which
-backend runs, so a new backend is a new file plus a registry entry (attention/registry.py).
+model only calls `AttentionContext(layer_index, q, k, v, scale)` (or first offers a
+step whole, `decode_qkv` with the layer's fused projection, which a backend may
+decline): it never knows which backend runs, so a new backend is a new file plus a
+registry entry (attention/registry.py).
 
 Batch order: requests in decode state first (one real token on a cached context, plus
 its speculative tokens), then prefill chunks.
