@@ -126,12 +126,23 @@ class DecoderLayer(nn.Module):
         self.group: Collectives = SINGLE_RANK
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], hidden: torch.Tensor,
-                attention: AttentionContext) -> torch.Tensor:
-        x = self.group.gather_tokens(self.input_layernorm(hidden))
+                attention: AttentionContext, pending: torch.Tensor | None = None,
+                defer: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The layer's output, hidden + its MLP's. With `defer`, (hidden, the MLP's output)
+        instead: the residual add is left to the next layer, given it as `pending`, whose
+        input norm adds it in the same compiled call (add_and_norm rounds the sum as
+        torch's add does). A separate add per layer ran cold after the weights' stream."""
+        if pending is None:
+            x = self.input_layernorm(hidden)
+        else:
+            hidden, x = self.input_layernorm.add_and_norm(hidden, pending)
+        x = self.group.gather_tokens(x)
         hidden, x = self.post_attention_layernorm.add_and_norm(
             hidden, self.self_attn(rope, x, attention))
         if not getattr(self.mlp, "all_to_all", False):  # EP under SP takes its share
             x = self.group.gather_tokens(x)
+        if defer:
+            return hidden, self.mlp(x)
         return hidden + self.mlp(x)
 
 
@@ -194,10 +205,16 @@ class LlamaForCausalLM(nn.Module):
         rope = self.model.rotary(positions, hidden.dtype)
         group = self.model.group
         hidden = group.split_tokens(hidden)
+        pending = None  # the last layer's MLP output, its residual add deferred
         for layer in self.model.layers:
-            hidden = layer(rope, hidden, attention)
+            hidden, pending = layer(rope, hidden, attention, pending, defer=True)
         if self.model.norm is not None:
-            hidden = self.model.norm(hidden)
+            if pending is not None:
+                _, hidden = self.model.norm.add_and_norm(hidden, pending)
+            else:
+                hidden = self.model.norm(hidden)
+        elif pending is not None:
+            hidden = hidden + pending
         return group.gather_tokens(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
