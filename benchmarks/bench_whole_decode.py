@@ -4,8 +4,9 @@ rotation, then the write-and-attend call), in one engine, interleaved rounds.
 
 --batch requests of --prompt random tokens + --new-tokens greedy tokens each on the
 random Qwen2.5-0.5B shape (or --model), float32, `paged-native` attention. Each
-round runs both ways (the whole path switched off by making the backend decline it,
-as any backend that does not take it does); the tokens must be identical. Reports the
+round runs both ways (the whole path switched off by the backend declining every step,
+as a backend that does not take it does: the layers then run as before it existed, a
+flag read per layer); the tokens must be identical. Reports the
 time per output token (TPOT: one decode step with every request in flight) of each
 way, its median and the ratio.
 
@@ -45,9 +46,9 @@ def main() -> None:
     prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
                for _ in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    whole = PagedNativeAttention.decode_qkv
+    whole = PagedNativeAttention.takes_whole_decode
     steps = "layer's steps"
-    ways = {"whole": whole, steps: lambda self, *rest: None}
+    ways = {"whole": whole, steps: lambda self, metadata: False}
     tpot: dict[str, list[float]] = {way: [] for way in ways}
     expected = None
     print(f"{host_description()}; {args.cpu_blas}, {args.batch} x (prompt {args.prompt} + "
@@ -55,7 +56,7 @@ def main() -> None:
     try:
         for round_ in range(args.rounds + 1):  # the first round warms up
             for way, method in ways.items():
-                PagedNativeAttention.decode_qkv = method
+                PagedNativeAttention.takes_whole_decode = method
                 outputs = llm.generate(prompts, params)
                 tokens = [o.outputs[0].token_ids for o in outputs]
                 expected = expected or tokens
@@ -65,7 +66,7 @@ def main() -> None:
                     tpot[way].append(1e3 * statistics.fmean(
                         o.outputs[0].metrics.time_per_output_token for o in outputs))
     finally:
-        PagedNativeAttention.decode_qkv = whole
+        PagedNativeAttention.takes_whole_decode = whole
     medians = {way: statistics.median(times) for way, times in tpot.items()}
     for way, times in tpot.items():
         print(f"  {way:14s} TPOT median {medians[way]:6.1f} ms  (rounds "

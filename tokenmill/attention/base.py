@@ -17,6 +17,7 @@ its speculative tokens), then prefill chunks.
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -121,14 +122,19 @@ class AttentionBackend(ABC):
         """Only write k, v into the cache (a layer an early-exited token skips)."""
         raise NotImplementedError(f"attention backend {self.name!r} cannot write K/V alone")
 
+    def takes_whole_decode(self, metadata: Any) -> bool:
+        """Whether this step goes whole through `decode_qkv` (asked once per step)."""
+        return False
+
     def decode_qkv(self, layer_index: int, qkv: torch.Tensor,
                    rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
                    kv_cache: KVCache | None, metadata: Any, scale: float
                    ) -> torch.Tensor | None:
         """A step's attention taken straight from the layer's fused projection qkv
         [T, (H + 2 KVH) D] (rotary embedding, K/V write and attention in one call),
-        [T, H D]; or None where this backend takes this step from `forward` (the layer
-        then splits and rotates q, k, v itself). The result must equal forward's."""
+        [T, H D], for a step `takes_whole_decode` accepted; or None where this layer's
+        tensors do not suit it (the layer then splits and rotates q, k, v itself). The
+        result must equal forward's."""
         return None
 
 
@@ -148,6 +154,12 @@ class AttentionContext:
 
     def write(self, layer_index: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.backend.write_kv(k, v, self.kv_caches[layer_index], self.metadata)
+
+    @functools.cached_property
+    def whole_decode(self) -> bool:
+        """Whether the layers offer this step whole (`decode_qkv`): a flag per step, so
+        that a step the backend would decline costs each layer no call."""
+        return self.backend.takes_whole_decode(self.metadata)
 
     def decode_qkv(self, layer_index: int, qkv: torch.Tensor,
                    rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,

@@ -87,6 +87,9 @@ class PagedNativeAttention(PagedAttention):
                                        kv_cache.data[0], kv_cache.data[1], tables, lengths,
                                        scale)
 
+    def takes_whole_decode(self, metadata: PagedMetadata) -> bool:
+        return metadata.qkv_route is not None
+
     def decode_qkv(self, layer_index: int, qkv: torch.Tensor,
                    rope: tuple[torch.Tensor, torch.Tensor], num_heads: int,
                    kv_cache: KVCache | None, metadata: PagedMetadata, scale: float

@@ -65,7 +65,7 @@ class Attention(nn.Module):
                 attention: AttentionContext) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
-        if self.q_norm is None:
+        if self.q_norm is None and attention.whole_decode:
             # A decode step on a backend that takes it whole: rotation, K/V write and
             # attention in one call (the split and rotation below cost more than the
             # attention itself at a few rows, run cold after the weights' stream).
