@@ -10,8 +10,9 @@ token rows (all KV heads) and folded into a running softmax per query head while
 next tile is prefetched, so the context is read once, where it lies, with no copy and
 no padding to the longest request. A decode-only step writes its K/V in the same
 call, and is taken whole from each layer's qkv projection (decode_qkv: the rotary
-embedding too, so the layer runs no split, views or rotation of its own). A speculative (multi-token) decode row's tokens are rows of
-their own for the kernel, each with its causal key count.
+embedding too, so the layer runs no split, views or rotation of its own). A
+speculative (multi-token) decode row's tokens are rows of their own for the kernel,
+each with its causal key count.
 
 A step's prefill chunks whose sequences (cached context + chunk) are up to a length
 measured on this machine run through a second kernel, all in one call, reading the
