@@ -20,9 +20,18 @@ from tokenmill.layers.timing import CACHE, cpu_signature
 logger = logging.getLogger(__name__)
 
 
+# Headers that kernels in several folders include (csrc/shared/rotary.h: row_ops and the
+# paged decode kernel rotate alike); they travel with every source.
+SHARED_HEADERS = Path(__file__).resolve().parent / "csrc" / "shared"
+
+
 def headers(source: Path) -> list[Path]:
-    """The headers beside a source (its `#include "..."`s live there)."""
-    return sorted(source.parent.glob("*.h"))
+    """The headers beside a source and the shared ones, by name (its `#include "..."`s:
+    all are copied beside it to compile; one beside it wins over a shared one of its
+    name, so a source copied with its headers elsewhere builds the same)."""
+    found = {h.name: h for h in SHARED_HEADERS.glob("*.h")}
+    found.update({h.name: h for h in source.parent.glob("*.h")})
+    return [found[name] for name in sorted(found)]
 
 
 def build_key(source: Path, extra_cflags: tuple[str, ...] = ()) -> str:

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "decode_common.h"
+#include "rotary.h"
 #include "decode_tile.h"
 
 namespace {
@@ -227,33 +228,6 @@ torch::Tensor write_and_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
   return paged_decode(q, keys, values, tables, lengths, scale);
 }
 
-// Rotary embedding of each row's query and key heads, in place: the arithmetic of
-// row_ops.cpp's rotate_ (the halves of a head rotated by the row's cos and sin), built
-// without this file's fast-math or contracted multiply-adds so that it rounds as
-// rotate_ does, bit for bit.
-#pragma GCC push_options
-#pragma GCC optimize("no-fast-math", "fp-contract=off")
-__attribute__((noinline)) void rotate_rows(float* data, int64_t tokens, int64_t row_stride,
-                                           int64_t heads, int64_t half, const float* c,
-                                           const float* s) {
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t h = 0; h < heads; ++h) {
-      float* x1 = data + t * row_stride + h * 2 * half;
-      float* x2 = x1 + half;
-      const float* ct = c + t * half;
-      const float* st = s + t * half;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const float a = x1[i], b = x2[i];
-        const float a_cos = a * ct[i], b_sin = b * st[i];
-        const float b_cos = b * ct[i], a_sin = a * st[i];
-        x1[i] = a_cos - b_sin;
-        x2[i] = b_cos + a_sin;
-      }
-    }
-}
-#pragma GCC pop_options
-
 // A decode step's whole attention from the layer's fused projection qkv [T, (H + 2 KVH)
 // Dh] (contiguous): rotate its query and key heads in place by cos and sin ([T, Dh / 2]
 // each, in any shape with that many values), store the keys and values at their slots,
@@ -280,8 +254,8 @@ torch::Tensor rope_write_and_decode(torch::Tensor qkv, torch::Tensor cos, torch:
   // Raw pointers from here on: no tensor views (each a dispatch, run cold).
   const auto c = cos.contiguous(), s = sin.contiguous();
   float* data = qkv.data_ptr<float>();
-  rotate_rows(data, tokens, width, heads + kv_heads, half, c.data_ptr<float>(),
-              s.data_ptr<float>());
+  tokenmill::rotate_rows(data, 0, tokens, width, heads + kv_heads, half,
+                         c.data_ptr<float>(), s.data_ptr<float>());
   const int64_t token_floats = kv_heads * head_dim;
   store_rows(data + heads * head_dim, width, tokens, slot, keys.data_ptr<float>(),
              token_floats);

@@ -13,10 +13,8 @@
 //             Cephes polynomial, within a few ulp of torch's), in a loop the compiler
 //             vectorizes: the C library's would be called once per element.
 //   rotate_   rotary embedding in place on [T, heads, D] (rows may be strided: Q and K
-//             sit side by side in the fused QKV output): for each half pair,
-//             x1' = x1 cos - x2 sin, x2' = x2 cos + x1 sin, rounded exactly as the
-//             torch form rounds them (built without contracting into FMAs), so the
-//             result is bit-identical to layers/rotary.py's apply_rotary.
+//             sit side by side in the fused QKV output): shared/rotary.h's rotate_rows,
+//             bit-identical to layers/rotary.py's apply_rotary.
 //   argmax    the index of each row's largest value, the first one where it repeats, and
 //             the first NaN where a row has one (torch.argmax's answers): a vectorized
 //             maximum, then a scan for its first index, chunk by chunk. torch's argmax
@@ -30,6 +28,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "rotary.h"
 #include "vec_math.h"
 
 namespace {
@@ -133,21 +132,7 @@ void rotate_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const float* s = sin.data_ptr<float>();
   const int64_t stride = x.stride(0);
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < heads; ++h) {
-        float* x1 = data + t * stride + h * 2 * half;
-        float* x2 = x1 + half;
-        const float* ct = c + t * half;
-        const float* st = s + t * half;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i], b = x2[i];
-          const float a_cos = a * ct[i], b_sin = b * st[i];
-          const float b_cos = b * ct[i], a_sin = a * st[i];
-          x1[i] = a_cos - b_sin;
-          x2[i] = b_cos + a_sin;
-        }
-      }
+    tokenmill::rotate_rows(data, begin, end, stride, heads, half, c, s);
   });
 }
 
