@@ -60,7 +60,7 @@ class PagedNativeAttention(PagedAttention):
     # Whether decode-only steps go whole through the kernel from each layer's qkv
     # projection (decode_qkv: a float32 cache on the CPU with the kernel built), and
     # each layer's key and value pools for it, taken once per cache tensor.
-    whole_decode = False
+    whole_decode_ready = False
     _pools: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
     def allocate_state(self, kv_caches: list[KVCache]) -> None:
@@ -70,7 +70,7 @@ class PagedNativeAttention(PagedAttention):
         self._pools = {}
         if (cache is not None and cache.data.device.type == "cpu" and not cache.quantized
                 and cache.data.dtype == torch.float32):
-            self.whole_decode = self.fused_decode and native_decode() is not None
+            self.whole_decode_ready = self.fused_decode and native_decode() is not None
             kernel = native_prefill()
             if kernel is not None and self.spec.head_dim % kernel.lanes() == 0:
                 self.prefill_limit = prefill_native.longest_sequence(
@@ -110,7 +110,7 @@ class PagedNativeAttention(PagedAttention):
 
     def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
         metadata = super().build_metadata(layout)
-        if self.whole_decode and not metadata.prefills and metadata.num_decode_tokens:
+        if self.whole_decode_ready and not metadata.prefills and metadata.num_decode_tokens:
             tables, lengths = ((metadata.decode_block_tables, metadata.decode_lengths)
                                if metadata.decode_lengths is not None else
                                (metadata.decode_token_tables, metadata.decode_token_lengths))
