@@ -53,6 +53,32 @@ def build_model(path: Path) -> Path:
     return path
 
 
+def add_decode_arguments(parser: argparse.ArgumentParser, rounds: int) -> None:
+    """The options of a decode-step benchmark on this model (bench_decode_split.py,
+    bench_whole_decode.py): what `decode_setup` reads."""
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--cpu-blas", default="native")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=rounds)
+
+
+def decode_setup(args: argparse.Namespace, **options) -> tuple[LLM, list[list[int]],
+                                                               SamplingParams]:
+    """The engine (--model, or the random 0.5B shape, built once), --batch seeded random
+    prompts of --prompt tokens and greedy params for --new-tokens, EOS ignored."""
+    model = args.model or str(build_model(MODEL_DIR))
+    llm = LLM(model, progress=False, num_threads=args.threads, kv_cache_memory=2**28,
+              cpu_blas=args.cpu_blas, **options)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
+               for _ in range(args.batch)]
+    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    return llm, prompts, params
+
+
 def random_prompt(rng: random.Random, length: int) -> list[int]:
     # Ids from the middle of the vocabulary: never the EOS id, never special.
     return [rng.randrange(1000, 150000) for _ in range(length)]

@@ -19,7 +19,6 @@ with cold caches.
 from __future__ import annotations
 
 import argparse
-import random
 import sys
 import time
 from pathlib import Path
@@ -27,30 +26,17 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import MODEL_DIR, build_model  # noqa: E402
+from bench_core import add_decode_arguments, decode_setup  # noqa: E402
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.layers.linear import Linear  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--cpu-blas", default="native")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--rounds", type=int, default=3)
+    add_decode_arguments(parser, rounds=3)
     parser.add_argument("--flush", action="store_true")
     args = parser.parse_args()
-    model = args.model or str(build_model(MODEL_DIR))
-    llm = LLM(model, progress=False, num_threads=args.threads, kv_cache_memory=2**28,
-              cpu_blas=args.cpu_blas)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
-               for _ in range(args.batch)]
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    llm, prompts, params = decode_setup(args)
     llm.generate(prompts, params)  # warm-up
 
     spent = {"products": 0.0, "head": 0.0}

@@ -16,36 +16,22 @@ way, its median and the ratio.
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_core import MODEL_DIR, build_model  # noqa: E402
+from bench_core import add_decode_arguments, decode_setup  # noqa: E402
 
-from tokenmill import LLM, SamplingParams  # noqa: E402
 from tokenmill.attention.paged_native import PagedNativeAttention  # noqa: E402
 from tokenmill.bench.ceilings import host_description  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--cpu-blas", default="native")
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--rounds", type=int, default=5)
+    add_decode_arguments(parser, rounds=5)
     args = parser.parse_args()
-    model = args.model or str(build_model(MODEL_DIR))
-    llm = LLM(model, progress=False, num_threads=args.threads, kv_cache_memory=2**28,
-              cpu_blas=args.cpu_blas, attention_backend="paged-native")
-    rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
-               for _ in range(args.batch)]
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+    llm, prompts, params = decode_setup(args, attention_backend="paged-native")
     whole = PagedNativeAttention.takes_whole_decode
     steps = "layer's steps"
     ways = {"whole": whole, steps: lambda self, metadata: False}
