@@ -137,6 +137,23 @@ class AttentionBackend(ABC):
         result must equal forward's."""
         return None
 
+    def decode_pools(self, kv_caches: list[KVCache]
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """Every layer's key and value pools as `decode_entry`'s function takes them, for
+        a compiled decoder stack (model/decode_stack.py) that runs whole steps itself;
+        None where this backend offers no entry point."""
+        return None
+
+    def decode_entry(self, metadata: Any
+                     ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a step `takes_whole_decode` accepted: what a compiled decoder stack calls
+        per layer in place of decode_qkv, the address of a C++ function of the
+        `QkvDecode` type (layers/csrc/shared/entry_points.h) and the step's slot
+        mapping, block tables and lengths it takes (with that layer's pools from
+        `decode_pools`); None where this backend has none. The function must do what
+        decode_qkv does."""
+        return None
+
 
 @dataclass
 class AttentionContext:

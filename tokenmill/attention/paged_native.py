@@ -43,6 +43,11 @@ def native_decode():
     return build_extension("paged_decode", SOURCE, ("-ffast-math",))
 
 
+@functools.cache
+def _entry_points(kernel) -> dict[str, int]:
+    return kernel.entry_points()
+
+
 class PagedNativeAttention(PagedAttention):
     name = "paged-native"
     # Decode rows attend to every key of their context, so a decode-only step's K/V
@@ -107,6 +112,20 @@ class PagedNativeAttention(PagedAttention):
         return kernel.rope_write_and_decode(qkv, rope[0], rope[1], metadata.slot_mapping,
                                             pools[1], pools[2], tables, lengths, scale,
                                             num_heads)
+
+    def decode_pools(self, kv_caches: list[KVCache]
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        if not self.whole_decode_ready:
+            return None
+        return [cache.data[0] for cache in kv_caches], [cache.data[1] for cache in kv_caches]
+
+    def decode_entry(self, metadata: PagedMetadata
+                     ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        route = metadata.qkv_route
+        if route is None:
+            return None
+        kernel, tables, lengths = route
+        return _entry_points(kernel)["rope_write_and_decode"], metadata.slot_mapping, tables, lengths
 
     def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
         metadata = super().build_metadata(layout)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -177,6 +178,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(arch.hidden_size, arch.vocab_size, False, parallel="vocab")
         # Tied: the LM head's weight is also the embedding table (see embed).
         self.lm_head.keep_weight = arch.tie_word_embeddings
+        # Decode-only steps through one compiled call: the model runner sets a
+        # model/decode_stack.py DecodeStack where it reproduces the layers' path.
+        self.decode_stack: Any = None
 
     @staticmethod
     def build_mlp(arch: ArchConfig, layer: int = 0) -> nn.Module:
@@ -203,6 +207,11 @@ class LlamaForCausalLM(nn.Module):
         if hidden is None:
             hidden = self.embed(input_ids)
         rope = self.model.rotary(positions, hidden.dtype)
+        stack = self.decode_stack
+        if stack is not None and stack.takes(hidden, attention):
+            out = stack.run_step(hidden, rope, attention)
+            if out is not None:
+                return out
         group = self.model.group
         hidden = group.split_tokens(hidden)
         pending = None  # the last layer's MLP output, its residual add deferred

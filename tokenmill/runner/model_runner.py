@@ -27,6 +27,7 @@ from tokenmill.kv import KVCache
 from tokenmill.kv.quant import storage_dtype
 from tokenmill.layers.native import prepare_native_row_ops
 from tokenmill.model.arch import ArchConfig
+from tokenmill.model.decode_stack import DecodeStack
 from tokenmill.runner.early_exit import EarlyExit, forward_with_exits
 from tokenmill.runner.prefill_pruning import PrefillPruning, forward_with_pruning
 
@@ -78,6 +79,8 @@ class ModelRunner:
         self.backend: AttentionBackend = create_attention_backend(attention_backend, spec)
         self.backend.allocate_state(self.kv_caches)
         prepare_native_row_ops(device, dtype)
+        if hasattr(model, "decode_stack"):  # a decode step's layers in one compiled call
+            model.decode_stack = DecodeStack.build(model, self.backend, self.kv_caches)
 
     def prepare(self, requests: list[ScheduledRequest]) -> PreparedBatch:
         """The flattened batch: token ids, positions and the attention context."""

@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "decode_common.h"
+#include "entry_points.h"
 #include "rotary.h"
 #include "decode_tile.h"
 
@@ -273,4 +274,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "store the step's keys and values at their slots, then paged_decode");
   m.def("rope_write_and_decode", &rope_write_and_decode,
         "rotate a decode step's qkv projection's query and key heads, then write_and_decode");
+  m.def("entry_points", [] {
+    const tokenmill::entry::QkvDecode qkv_decode = &rope_write_and_decode;
+    return std::map<std::string, int64_t>{
+        {"rope_write_and_decode", tokenmill::entry::address(qkv_decode)}};
+  }, "the whole-step decode's C++ entry point by name (csrc/shared/entry_points.h)");
 }

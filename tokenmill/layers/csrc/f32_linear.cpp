@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "entry_points.h"
 #include "f32_tiles.h"
 
 namespace {
@@ -339,4 +340,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stolen_items", [] { return stolen_items.load(); },
         "work items a thread took from another's run since the library loaded");
   m.attr("max_decode_rows") = kDecodeRows;
+  m.def("entry_points", [] {
+    const tokenmill::entry::Product linear = &f32_linear, silu_mul = &f32_linear_silu_mul;
+    return std::map<std::string, int64_t>{{"f32_linear", tokenmill::entry::address(linear)},
+                                          {"f32_linear_silu_mul", tokenmill::entry::address(silu_mul)}};
+  }, "the products' C++ entry points by name (csrc/shared/entry_points.h)");
 }

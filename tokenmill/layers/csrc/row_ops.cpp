@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "entry_points.h"
 #include "rotary.h"
 #include "vec_math.h"
 
@@ -199,4 +200,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual + delta and its RMSNorm (float32)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows (float32)");
   m.def("rotate_", &rotate_, "rotary embedding in place on [T, heads, D] (float32)");
+  m.def("entry_points", [] {
+    const tokenmill::entry::RmsNorm norm = &rms_norm;
+    const tokenmill::entry::AddRmsNorm add_norm = &add_rms_norm;
+    return std::map<std::string, int64_t>{{"rms_norm", tokenmill::entry::address(norm)},
+                                          {"add_rms_norm", tokenmill::entry::address(add_norm)}};
+  }, "the norms' C++ entry points by name (csrc/shared/entry_points.h)");
 }

@@ -1,0 +1,136 @@
+"""The compiled decoder stack (model/decode_stack.py): decode-only steps through one C++
+loop over the layers' kernels change no bit (logprobs equal the layers' path, with
+requests arriving and finishing at different steps and a block size that splits
+contexts), it runs on every such step, and it steps aside wherever it would not
+reproduce the layers' path (other families, product paths, backends, hooks, patched
+methods)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.engine_run import run_staggered
+from tokenmill import LLM, SamplingParams
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.layers import native_linear
+from tokenmill.layers.linear import Linear
+from tokenmill.model import decode_stack
+
+pytestmark = pytest.mark.skipif(not native_linear.available() or decode_stack.library() is None,
+                                reason="the native kernels cannot be built here")
+
+PARAMS = SamplingParams(temperature=0, max_tokens=8, logprobs=3, ignore_eos=True)
+PROMPTS = [[5, 17, 42, 99, 3], list(range(20, 61)), list(range(100, 130))]
+
+
+def logprobs(llm: LLM) -> list[list[tuple]]:
+    return [[(step.token_id, step.logprob, *step.top) for step in output.outputs[0].logprobs]
+            for output in llm.generate(PROMPTS, PARAMS)]
+
+
+def model_of(engine: LLMEngine):
+    return engine.executor.worker.runner.model
+
+
+@pytest.fixture
+def steps_taken(monkeypatch) -> list[int]:
+    """Rows of every step the stack ran."""
+    taken: list[int] = []
+    real = decode_stack.DecodeStack.run_step
+
+    def counted(self, hidden, rope, attention):
+        out = real(self, hidden, rope, attention)
+        if out is not None:
+            taken.append(hidden.shape[0])
+        return out
+
+    monkeypatch.setattr(decode_stack.DecodeStack, "run_step", counted)
+    return taken
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "mistral"])  # qwen2: biases, tied head
+def test_stack_changes_no_bit(model_factory, family, steps_taken):
+    llm = LLM(str(model_factory(family)), progress=False, cpu_blas="native")
+    model = model_of(llm.engine)
+    assert model.decode_stack is not None
+    stacked = logprobs(llm)
+    # One prefill step, then every decode step (all three requests in each) stacked.
+    assert steps_taken == [len(PROMPTS)] * (PARAMS.max_tokens - 1)
+    model.decode_stack = None
+    assert logprobs(llm) == stacked
+    assert len(steps_taken) == PARAMS.max_tokens - 1  # none while it was unset
+
+
+def test_staggered_requests_equal_the_layers_path(llama_dir, steps_taken):
+    prompts = [[5, 17, 42, 99, 3, 8, 1, 2, 3, 4, 5, 6, 7], list(range(20, 61)), [7, 7, 7],
+               [300, 12]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+              for n in (20, 9, 14, 5)]
+
+    def run(stack: bool) -> list[list[int]]:
+        engine = LLMEngine.from_kwargs(str(llama_dir), progress=False, block_size=8,
+                                       max_num_batched_tokens=24, cpu_blas="native")
+        if not stack:
+            model_of(engine).decode_stack = None
+        return run_staggered(engine, prompts, params, arrivals=[0, 1, 1, 4])
+
+    stacked = run(True)
+    assert len(set(steps_taken)) > 1  # decode steps of different row counts
+    assert run(False) == stacked
+
+
+@pytest.mark.parametrize("family, options", [
+    ("qwen3", {"cpu_blas": "native"}),  # per-head q/k norms
+    ("mixtral", {"cpu_blas": "native"}),  # experts, not one gated MLP
+    ("llama", {"cpu_blas": "torch"}),  # products not on the native kernel
+    ("llama", {"cpu_blas": "native", "attention_backend": "paged"}),  # no whole-step entry
+    ("llama", {"cpu_blas": "native", "kv_cache_dtype": "int8"}),  # a quantized cache
+])
+def test_declined_where_it_would_not_reproduce_the_layers(model_factory, family, options):
+    llm = LLM(str(model_factory(family)), progress=False, **options)
+    assert model_of(llm.engine).decode_stack is None
+
+
+def test_a_hook_or_a_patched_method_sees_every_call(llama_dir, monkeypatch, steps_taken):
+    llm = LLM(str(llama_dir), progress=False, cpu_blas="native")
+    model = model_of(llm.engine)
+    reference = logprobs(llm)
+    assert steps_taken
+    steps_taken.clear()
+
+    seen: list[int] = []
+    handle = model.model.layers[1].mlp.down_proj.register_forward_hook(
+        lambda module, args, out: seen.append(args[0].shape[0]))
+    assert logprobs(llm) == reference
+    handle.remove()
+    assert not steps_taken and seen.count(len(PROMPTS)) == PARAMS.max_tokens - 1
+
+    products: list[int] = []
+    real = Linear.forward
+
+    def spying(self, x, silu_mul=False):
+        products.append(x.shape[0])
+        return real(self, x, silu_mul=silu_mul)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Linear, "forward", spying)
+        assert logprobs(llm) == reference
+    assert not steps_taken and products.count(len(PROMPTS)) > 0
+    assert logprobs(llm) == reference and steps_taken  # and back once unpatched
+
+
+def test_kernel_errors_name_what_is_wrong():
+    kernel = decode_stack.library()
+    norm = torch.ones(8)
+    with pytest.raises(RuntimeError, match="no entry point named f32_linear"):
+        kernel.Stack({}, norm, 1e-6)
+    entries = {**native_linear.library().entry_points(),
+               **decode_stack.native_row_ops().entry_points()}
+    stack = kernel.Stack(entries, norm, 1e-6)
+    with pytest.raises(RuntimeError, match="one key and one value pool per layer"):
+        stack.set_pools([torch.zeros(1)], [torch.zeros(1)])
+    with pytest.raises(RuntimeError, match="no layers"):
+        stack.run(torch.zeros(1, 8), torch.zeros(1, 4), torch.zeros(1, 4), 1,
+                  torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),
+                  torch.ones(1, dtype=torch.int32))
