@@ -1,14 +1,18 @@
-"""A decode step's attention taken whole from each layer's qkv projection (one compiled
-call: rotation, K/V write, attention) against the layer's own steps (split, views,
-rotation, then the write-and-attend call), in one engine, interleaved rounds.
+"""A decode step taken whole, in one engine, interleaved rounds, three ways:
+
+    stack          the compiled decoder stack: every layer's kernels called from one
+                   C++ loop (model/decode_stack.py)
+    whole attn     the layers' Python path, each layer's attention taken whole from its
+                   qkv projection (one compiled call: rotation, K/V write, attention)
+    layer's steps  the layers' Python path with the layer's own attention steps (split,
+                   views, rotation, then the write-and-attend call)
 
 --batch requests of --prompt random tokens + --new-tokens greedy tokens each on the
-random Qwen2.5-0.5B shape (or --model), float32, `paged-native` attention. Each
-round runs both ways (the whole path switched off by the backend declining every step,
-as a backend that does not take it does: the layers then run as before it existed, a
-flag read per layer); the tokens must be identical. Reports the
-time per output token (TPOT: one decode step with every request in flight) of each
-way, its median and the ratio.
+random Qwen2.5-0.5B shape (or --model), float32, `paged-native` attention. The stack is
+switched off by unsetting the model's stack, the whole attention by the backend
+declining every step (as a backend that does not take it does). The tokens must be
+identical. Reports the time per output token (TPOT: one decode step with every request
+in flight) of each way, its median and the ratios to the first way.
 
     python benchmarks/bench_whole_decode.py [--batch 1] [--rounds 5] [--cpu-blas native]
 """
@@ -32,16 +36,20 @@ def main() -> None:
     add_decode_arguments(parser, rounds=5)
     args = parser.parse_args()
     llm, prompts, params = decode_setup(args, attention_backend="paged-native")
-    whole = PagedNativeAttention.takes_whole_decode
-    steps = "layer's steps"
-    ways = {"whole": whole, steps: lambda self, metadata: False}
+    model = llm.engine.executor.worker.runner.model
+    stack, whole = model.decode_stack, PagedNativeAttention.takes_whole_decode
+    if stack is None:
+        raise SystemExit("the decode stack does not take this model and --cpu-blas")
+    declined = lambda self, metadata: False  # noqa: E731
+    ways = {"stack": (stack, whole), "whole attn": (None, whole),
+            "layer's steps": (None, declined)}
     tpot: dict[str, list[float]] = {way: [] for way in ways}
     expected = None
     print(f"{host_description()}; {args.cpu_blas}, {args.batch} x (prompt {args.prompt} + "
           f"{args.new_tokens} new), {args.threads} threads")
     try:
         for round_ in range(args.rounds + 1):  # the first round warms up
-            for way, method in ways.items():
+            for way, (model.decode_stack, method) in ways.items():
                 PagedNativeAttention.takes_whole_decode = method
                 outputs = llm.generate(prompts, params)
                 tokens = [o.outputs[0].token_ids for o in outputs]
@@ -52,13 +60,13 @@ def main() -> None:
                     tpot[way].append(1e3 * statistics.fmean(
                         o.outputs[0].metrics.time_per_output_token for o in outputs))
     finally:
-        PagedNativeAttention.takes_whole_decode = whole
+        model.decode_stack, PagedNativeAttention.takes_whole_decode = stack, whole
     medians = {way: statistics.median(times) for way, times in tpot.items()}
     for way, times in tpot.items():
         print(f"  {way:14s} TPOT median {medians[way]:6.1f} ms  (rounds "
               + ", ".join(f"{t:.1f}" for t in times) + ")")
-    print(f"  {steps} / whole: {medians[steps] / medians['whole']:.3f}x")
-
+    for way in list(ways)[1:]:
+        print(f"  {way} / stack: {medians[way] / medians['stack']:.3f}x")
 
 if __name__ == "__main__":
     main()
