@@ -62,7 +62,9 @@ def test_stack_changes_no_bit(model_factory, family, steps_taken):
     assert len(steps_taken) == PARAMS.max_tokens - 1  # none while it was unset
 
 
-def test_staggered_requests_equal_the_layers_path(llama_dir, steps_taken):
+@pytest.mark.parametrize("options", [{}, {"speculative_method": "ngram",
+                                          "prompt_lookup_min": 1, "spec_adaptive": False}])
+def test_staggered_requests_equal_the_layers_path(llama_dir, steps_taken, options):
     prompts = [[5, 17, 42, 99, 3, 8, 1, 2, 3, 4, 5, 6, 7], list(range(20, 61)), [7, 7, 7],
                [300, 12]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -70,13 +72,14 @@ def test_staggered_requests_equal_the_layers_path(llama_dir, steps_taken):
 
     def run(stack: bool) -> list[list[int]]:
         engine = LLMEngine.from_kwargs(str(llama_dir), progress=False, block_size=8,
-                                       max_num_batched_tokens=24, cpu_blas="native")
+                                       max_num_batched_tokens=24, cpu_blas="native",
+                                       **options)
         if not stack:
             model_of(engine).decode_stack = None
         return run_staggered(engine, prompts, params, arrivals=[0, 1, 1, 4])
 
     stacked = run(True)
-    assert len(set(steps_taken)) > 1  # decode steps of different row counts
+    assert len(set(steps_taken)) > 1  # decode steps of different row counts (draft tokens)
     assert run(False) == stacked
 
 
