@@ -6,7 +6,8 @@ ceiling.
 output token; --new-tokens N: generated in full) under each configuration after a
 warm-up, --rounds times. Forward hooks on
 every module of the model time it exclusive of the modules inside it, so each row of
-the table is its own work:
+the table is its own work (with hooks on the layers, decode steps run the layers' Python
+path, not the compiled decode stack, model/decode_stack.py: the table is that path's):
 
     qkv_proj, o_proj, gate_up_proj, down_proj, lm_head   the products (GFLOP/s: 2 x rows
                                                           x in x out over their time)
