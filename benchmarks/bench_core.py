@@ -73,7 +73,10 @@ def decode_setup(args: argparse.Namespace, **options) -> tuple[LLM, list[list[in
     llm = LLM(model, progress=False, num_threads=args.threads, kv_cache_memory=2**28,
               cpu_blas=args.cpu_blas, **options)
     rng = random.Random(0)
-    prompts = [[rng.randrange(1000, 100000) for _ in range(args.prompt)]
+    # Ids from the vocabulary's middle (a small model's: its upper half).
+    vocab = llm.engine.executor.worker.runner.arch.vocab_size
+    low, high = min(1000, vocab // 2), min(100000, vocab)
+    prompts = [[rng.randrange(low, high) for _ in range(args.prompt)]
                for _ in range(args.batch)]
     params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
     return llm, prompts, params

@@ -63,8 +63,8 @@ def main() -> None:
         model.decode_stack, PagedNativeAttention.takes_whole_decode = stack, whole
     medians = {way: statistics.median(times) for way, times in tpot.items()}
     for way, times in tpot.items():
-        print(f"  {way:14s} TPOT median {medians[way]:6.1f} ms  (rounds "
-              + ", ".join(f"{t:.1f}" for t in times) + ")")
+        print(f"  {way:14s} TPOT median {medians[way]:7.2f} ms  (rounds "
+              + ", ".join(f"{t:.2f}" for t in times) + ")")
     for way in list(ways)[1:]:
         print(f"  {way} / stack: {medians[way] / medians['stack']:.3f}x")
 
