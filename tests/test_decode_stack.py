@@ -109,6 +109,11 @@ def test_a_hook_or_a_patched_method_sees_every_call(llama_dir, monkeypatch, step
     handle.remove()
     assert not steps_taken and seen.count(len(PROMPTS)) == PARAMS.max_tokens - 1
 
+    handle = model.model.norm.register_forward_pre_hook(lambda module, args: None)
+    assert logprobs(llm) == reference
+    handle.remove()
+    assert not steps_taken  # a hook on any module the stack covers, the final norm's too
+
     products: list[int] = []
     real = Linear.forward
 

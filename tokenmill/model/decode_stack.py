@@ -104,7 +104,7 @@ class DecodeStack:
                 [p.out_features for p in products])
         self.mlps = [layer.mlp for layer in inner.layers]
         # Every module a hook could sit on: one there means the layers' path.
-        self.modules = [m for layer in inner.layers for m in layer.modules()]
+        self.modules = [m for layer in inner.layers for m in layer.modules()] + [inner.norm]
         self.caches: list[KVCache] | None = None
 
     @classmethod
