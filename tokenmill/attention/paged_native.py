@@ -43,7 +43,7 @@ def native_decode():
     return build_extension("paged_decode", SOURCE, ("-ffast-math",))
 
 
-@functools.cache
+@functools.cache  # (per kernel module: read once, looked up per step)
 def _entry_points(kernel) -> dict[str, int]:
     return kernel.entry_points()
 
@@ -105,19 +105,25 @@ class PagedNativeAttention(PagedAttention):
                 or not qkv.is_contiguous()):
             return None
         kernel, tables, lengths = route
+        keys, values = self._layer_pools(layer_index, kv_cache)
+        return kernel.rope_write_and_decode(qkv, rope[0], rope[1], metadata.slot_mapping,
+                                            keys, values, tables, lengths, scale, num_heads)
+
+    def _layer_pools(self, layer_index: int, kv_cache: KVCache
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's key and value pools, views taken once per cache tensor."""
         pools = self._pools.get(layer_index)
         if pools is None or pools[0] is not kv_cache.data:
             data = kv_cache.data
             pools = self._pools[layer_index] = (data, data[0], data[1])
-        return kernel.rope_write_and_decode(qkv, rope[0], rope[1], metadata.slot_mapping,
-                                            pools[1], pools[2], tables, lengths, scale,
-                                            num_heads)
+        return pools[1], pools[2]
 
     def decode_pools(self, kv_caches: list[KVCache]
                      ) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         if not self.whole_decode_ready:
             return None
-        return [cache.data[0] for cache in kv_caches], [cache.data[1] for cache in kv_caches]
+        pools = [self._layer_pools(index, cache) for index, cache in enumerate(kv_caches)]
+        return [keys for keys, _ in pools], [values for _, values in pools]
 
     def decode_entry(self, metadata: PagedMetadata
                      ) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor] | None:
