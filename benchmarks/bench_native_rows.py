@@ -5,13 +5,19 @@ several calls each, every library on the same random weights (torch: the plain w
 MKL). --panels builds the
 native kernel once per row-panel size (the kernel's TM_PANEL; a size above the rows
 means no panels) and reports each beside oneDNN; --builds takes any other compile-time
-settings, one build per argument (e.g. "TM_CHUNK=128 TM_PANEL=64").
+settings, one build per argument (e.g. "TM_CHUNK=128 TM_PANEL=64"); "git:REV" builds
+the kernel's sources as they were at git revision REV (e.g. git:HEAD before an
+uncommitted change), with any settings after it ("git:HEAD~2 TM_CHUNK=128").
+--decode-rows sets every build's decode-tile limit (0: the wide tile, as the engine
+sets it on a host that measured it faster).
 
     python benchmarks/bench_native_rows.py [--rows 256,2048] [--panels 128,100000]
     python benchmarks/bench_native_rows.py --builds TM_CHUNK=256 TM_CHUNK=128
     python benchmarks/bench_native_rows.py --rows 1,8 --copies 8    # weights from memory
     python benchmarks/bench_native_rows.py --rows 1,8 --model-pass --builds A B
     python benchmarks/bench_native_rows.py --rows 512 --fused --builds A B
+    python benchmarks/bench_native_rows.py --rows 8,32 --model-pass --fused \\
+        --decode-rows 0 --builds "" git:HEAD
 
 --fused adds each build's gate/up product with the activation in its epilogue (the
 engine's gated MLP call) after the plain columns, gate/up rows only.
@@ -27,12 +33,15 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from tokenmill.layers import cpu_blas, huge_pages, native_linear
-from tokenmill.layers.native import build_extension
+from tokenmill.layers.native import build_extension, headers
 from tokenmill.layers.timing import best_seconds
 
 SHAPES = ((9728, 896), (896, 4864), (1152, 896))  # (out, in): gate/up, down, QKV
@@ -87,6 +96,26 @@ def model_pass(kernels: dict, rows_list: list[int], passes: int, fused: bool) ->
                   flush=True)
 
 
+def kernel(build: str):
+    """The native kernel built with `build`'s -D settings, from the sources of the git
+    revision it names first ("git:REV ...") or else from this checkout."""
+    source, defines = native_linear.SOURCE, build.split()
+    if defines and defines[0].startswith("git:"):
+        revision, defines = defines[0].removeprefix("git:"), defines[1:]
+        root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"],
+                                            text=True).strip())
+        folder = Path(tempfile.mkdtemp(prefix="tokenmill-kernel-"))
+        for original in (source, *headers(source)):
+            path = original.relative_to(root).as_posix()
+            text = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True,
+                                  text=True)
+            if text.returncode == 0:  # a header the revision lacks is left out
+                (folder / original.name).write_text(text.stdout)
+        source = folder / source.name
+    return build_extension("f32_linear", source,
+                           (*native_linear.FLAGS, *(f"-D{define}" for define in defines)))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="32,256,2048")
@@ -100,15 +129,17 @@ def main() -> None:
     parser.add_argument("--model-pass", action="store_true",
                         help="time a decode step's products of the 0.5B shape per build")
     parser.add_argument("--passes", type=int, default=12)
+    parser.add_argument("--decode-rows", type=int, default=None,
+                        help="every build's decode-tile limit (default: the build's own)")
     parser.add_argument("--fused", action="store_true",
                         help="also each build's gate/up product with its activation fused")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     builds = args.builds or [f"TM_PANEL={int(panel)}" for panel in args.panels.split(",")]
-    kernels = {build: build_extension("f32_linear", native_linear.SOURCE,
-                                      (*native_linear.FLAGS,
-                                       *(f"-D{define}" for define in build.split())))
-               for build in builds}
+    kernels = {build: kernel(build) for build in builds}
+    if args.decode_rows is not None:
+        for built in kernels.values():
+            built.set_decode_rows(args.decode_rows)
     if args.model_pass:
         return model_pass(kernels, [int(rows) for rows in args.rows.split(",")], args.passes,
                           args.fused)

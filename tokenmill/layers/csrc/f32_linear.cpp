@@ -261,9 +261,10 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
     panels_and_groups(q.M, groups.count(), [&](int64_t m0, int64_t m1, int64_t g, int64_t after) {
       Slots s, following;
       const int vectors = adjacent_slots(groups, g, q.K, s);
-      const Prefetch next = after >= 0
-          ? streams(q.w, following, adjacent_slots(groups, after, q.K, following), 0)
-          : Prefetch{};
+      const Streams next = after >= 0
+          ? streams(q.w, following, adjacent_slots(groups, after, q.K, following), 0,
+                    std::min(kChunk, q.K))
+          : Streams{};
       const Sink sink{rows + m0 * ldo + groups.first(g) * kLanes, ldo};
       if (decode)
         group_tail<kDecodeBlockTile * kParts, kDecodeRowTile>(q, s, vectors, m0, m1, sink, next);
@@ -287,9 +288,10 @@ void fused(const Problem& p, float* o, int64_t width) {
       partial.resize(kPanel * 2 * UnitTile * kVec);
       Slots s, following;
       const int vectors = pair_slots(groups, g, q.K, s);
-      const Prefetch next = after >= 0
-          ? streams(q.w, following, pair_slots(groups, after, q.K, following), 0)
-          : Prefetch{};
+      const Streams next = after >= 0
+          ? streams(q.w, following, pair_slots(groups, after, q.K, following), 0,
+                    std::min(kChunk, q.K))
+          : Streams{};
       const Sink sink{partial.data(), vectors * kVec, rows + m0 * width + groups.first(g) * kVec,
                       width};
       group_tail<2 * UnitTile, RowTile>(q, s, vectors, m0, m1, sink, next);

@@ -29,10 +29,9 @@ constexpr int kLanes = 16;  // a block's channels: the packed layout on every CP
 // thread, and from 5 rows a second tile multiplies from L2 while the next chunk is
 // fetched (a decode step's products 1.05-1.12x at 8 rows, ~1.1x at 10-12; no gain from
 // 16 on: docs/BENCHMARKS.md; on an Intel host 1.2x slower than the wide tile, so
-// the engine measures which it takes: f32_linear.cpp's decode_rows). A chunk's first
-// row tile, which reads its weights from memory, fetches its own streams
-// TM_STREAM_AHEAD columns ahead into L2 (8-stream decode 1.14x on a Zen 4 host, level
-// on an Intel one). The fused activation's tiles take gate channels a vector
+// the engine measures which it takes: f32_linear.cpp's decode_rows). A chunk's lone
+// row tile fetches its own streams TM_STREAM_AHEAD columns ahead into L2; more row
+// tiles share out the next chunk's (TM_SPREAD). The fused activation's tiles take gate channels a vector
 // at a time ("units": a block with AVX-512, half a block without), each with the up
 // channels that pair with it: AVX-512, 6 rows x 2 units (6 x 4 accumulators), and
 // 4 x 3 up to 8 rows (at 10-12 rows neither won) where the decode tiles are taken;
@@ -100,28 +99,26 @@ constexpr int64_t kChunk = TM_CHUNK;
 #define TM_PANEL 256
 #endif
 constexpr int64_t kPanel = TM_PANEL;
-// Prefetch the next column chunk's weights during a chunk's later row tiles (which read
-// the current chunk from L2 and are bound by arithmetic), so the next chunk's first row
-// tile does not wait on memory. 0 builds the loop without it (docs/BENCHMARKS.md
-// compares the two builds in the engine).
+// Fetch the next column chunk's weights into L2 while a chunk's row tiles run, spread
+// evenly over them: of T row tiles, tile t takes the next chunk's t-th 1/T of the
+// columns, a column of every stream (a line each) every T columns of its own loop, so
+// the memory streams at an even rate beside the multiply-adds. 0 builds the old plan
+// (tiles 1 .. streams a whole stream each, a line every column, in bursts the fill
+// buffers could not keep up with; the first tile its own streams ahead). A decode
+// step's products 1.11-1.15x at 16-64 rows on an Intel host, 1.16-1.23x at 8-12 rows
+// with the decode tiles (docs/BENCHMARKS.md). TM_PREFETCH_NEXT=0: no next-chunk fetch.
+#ifndef TM_SPREAD
+#define TM_SPREAD 1
+#endif
 #ifndef TM_PREFETCH_NEXT
 #define TM_PREFETCH_NEXT 1
 #endif
-// How far ahead (in columns: one 64-byte line of each block's stream) a chunk's first
-// row tile fetches its own weights: a decode step's products 1.05-1.1x at 4-32 rows on
-// a Zen 4 host, and the wide tile's 8 rows 1.14x on an Intel one (docs/BENCHMARKS.md);
-// 0 builds the tile without it.
+// How far ahead (in columns: one 64-byte line of each block's stream) a chunk's lone
+// row tile (a decode step's few rows) fetches its own weights: a decode step's products
+// 1.05-1.1x at 4-32 rows on a Zen 4 host, and the wide tile's 8 rows 1.14x on an Intel
+// one (docs/BENCHMARKS.md); 0 builds the tile without it.
 #ifndef TM_STREAM_AHEAD
 #define TM_STREAM_AHEAD 64
-#endif
-// Row tiles after a chunk's first that fetch the next chunk (TM_PREFETCH_NEXT) take one
-// of its streams each, a line every column with no test in the loop, where there are
-// as many of them as streams (32 rows and more with AVX-512); otherwise the fetches
-// are shared out column by column, which the loop tests for. The tests cost 7-13% of a
-// cached product's rate at 32-512 rows on an Intel host (docs/BENCHMARKS.md). 0 builds
-// the shared-out fetches only.
-#ifndef TM_ONE_STREAM
-#define TM_ONE_STREAM 1
 #endif
 // Products of this many rows or more first repack x tile by tile (pack_rows), so that
 // a tile reads its rows' column k from one line; fewer rows (a decode step's, bound by
@@ -225,30 +222,45 @@ struct Sink {
   }
 };
 
-// Weights to fetch into L2 while a tile runs: the next chunk of `lines` 64-byte column
-// streams (w[j]: the first column of it), one line per stream and column of the tile:
-// the columns k with (k - k0) % every == phase, so the fetches of a chunk are spread
-// evenly over the row tiles that share them.
-struct Prefetch {
+// A chunk's weight streams: one per block of a group's vectors (vectors in the second
+// half of a block share its lines), w[j] at the chunk's first column, `cols` columns.
+struct Streams {
   const float* w[kMaxVectors] = {};
   int lines = 0;
-  int every = 1, phase = 0;
-  // Columns ahead that the tile fetches of its own streams (0: none): a chunk's first
-  // row tile reads its weights from memory, and the hardware's prefetcher alone left it
-  // waiting on them (the rest of the chunk's tiles read them from L2).
-  int64_t own = 0;
-  // Or one stream of the next chunk, a line every column (its first column's address):
-  // no checks in the tile's loop (TM_ONE_STREAM).
-  const float* one = nullptr;
+  int64_t cols = 0;
 };
 
-// The column streams of a group's vectors from column k on (one per block: vectors in
-// the second half of a block share its lines), for fetching ahead.
-Prefetch streams(const float* w, const Slots& s, int vectors, int64_t k) {
-  Prefetch ahead;
+Streams streams(const float* w, const Slots& s, int vectors, int64_t k, int64_t cols) {
+  Streams ahead;
   for (int j = 0; j < vectors; ++j)
     if (s.w[j] % kLanes == 0) ahead.w[ahead.lines++] = w + s.w[j] + k * kLanes;
+  ahead.cols = cols;
   return ahead;
+}
+
+// What a row tile fetches into L2 while it runs: `cols` columns of `lines` streams from
+// w[j] on, a column (a line of each stream) every `every` columns of its loop; or, with
+// `ahead`, its own streams that many columns ahead of each column it reads.
+struct Fetch {
+  const float* w[kMaxVectors] = {};
+  int lines = 0;
+  int every = 1;
+  int64_t cols = 0;
+  int64_t ahead = 0;
+};
+
+// Tile t of `tiles` over a chunk of `own` columns: its share of `next` (the columns
+// [t * span, (t + 1) * span) of every stream, span = 1 / tiles of them), a column every
+// `own / span` columns, so that its share is fetched by the end of its loop.
+Fetch share(const Streams& next, int64_t tiles, int64_t t, int64_t own) {
+  Fetch f;
+  const int64_t span = (next.cols + tiles - 1) / tiles;
+  const int64_t first = std::min(next.cols, t * span);
+  f.lines = next.lines;
+  for (int j = 0; j < f.lines; ++j) f.w[j] = next.w[j] + first * kLanes;
+  f.cols = std::min(span, next.cols - first);
+  f.every = static_cast<int>(std::max<int64_t>(1, own / std::max<int64_t>(1, span)));
+  return f;
 }
 
 // silu(gate) * up of a finished tile's sums into the sink's act (vec_math.h's rounding:
@@ -267,14 +279,31 @@ __attribute__((noinline)) void activate(const float* sums, const Sink& sink) {
 }
 #pragma GCC pop_options
 
+// Column k of a tile: its V weight vectors (w[j] at column k0) times each row's x.
+template <int MR, int V, bool Packed>
+__attribute__((always_inline)) inline void step(vf (&acc)[MR][V], const float* const (&w)[V],
+                                                const float* x, int64_t k, int64_t k0,
+                                                int64_t K) {
+  vf wk[V];
+  for (int j = 0; j < V; ++j) {
+    wk[j] = load(w[j] + (k - k0) * kLanes);
+    pin(wk[j]);
+  }
+  for (int m = 0; m < MR; ++m) {
+    const float xm = Packed ? x[k * MR + m] : x[m * K + k];
+    for (int j = 0; j < V; ++j) acc[m][j] += xm * wk[j];
+  }
+}
+
 // Rows [0, MR) of the sink x the slots' first V vectors, columns [k0, k1): accumulators
-// start from the bias (first chunk) or the partial sums, and go back to the sink. Out
-// of line: inlined into the product's loops, GCC kept the AVX2 tile's accumulators in
-// memory (2.5x slower); with AVX-512 the two measured alike.
-template <int MR, int V, bool Checked, bool Packed>
+// start from the bias (first chunk) or the partial sums, and go back to the sink; the
+// tile fetches `fetch` as it goes. Out of line: inlined into the product's loops, GCC
+// kept the AVX2 tile's accumulators in memory (2.5x slower); with AVX-512 the two
+// measured alike.
+template <int MR, int V, bool Packed>
 __attribute__((noinline)) void tile(const Problem& p, const Slots& s, const float* x,
                                     const Sink& sink, int64_t k0, int64_t k1,
-                                    const Prefetch& ahead) {
+                                    const Fetch& fetch) {
   vf acc[MR][V];
   for (int m = 0; m < MR; ++m) {
     for (int j = 0; j < V; ++j) {
@@ -285,29 +314,34 @@ __attribute__((noinline)) void tile(const Problem& p, const Slots& s, const floa
   }
   const float* w[V];
   for (int j = 0; j < V; ++j) w[j] = p.w + s.w[j] + k0 * kLanes;
-  // Without checks, a line every column: the next chunk's stream, or else the tile's own
-  // current line (in L1 by then: a fetch that costs a load and nothing else).
-  const float* one = ahead.one ? ahead.one - k0 * kLanes : w[0] - k0 * kLanes;
-  int countdown = ahead.phase;
-  for (int64_t k = k0; k < k1; ++k) {
-    if (!Checked) __builtin_prefetch(one + k * kLanes, 0, 2);
-    if (Checked && ahead.lines && countdown-- == 0) {
-      countdown = ahead.every - 1;
-      for (int j = 0; j < ahead.lines; ++j)
-        __builtin_prefetch(ahead.w[j] + (k - k0) * kLanes, 0, 2);
-    }
-    if (Checked && ahead.own) {
+  if (fetch.ahead > 0) {
+    // A lone tile: its own streams `ahead` columns on (the fetch at the load's index).
+    bool line[V];
+    for (int j = 0; j < V; ++j) line[j] = s.w[j] % kLanes == 0;
+    for (int64_t k = k0; k < k1; ++k) {
       for (int j = 0; j < V; ++j)
-        if (s.w[j] % kLanes == 0) __builtin_prefetch(w[j] + (k - k0 + ahead.own) * kLanes, 0, 2);
+        if (line[j]) __builtin_prefetch(w[j] + (k - k0 + fetch.ahead) * kLanes, 0, 2);
+      step<MR, V, Packed>(acc, w, x, k, k0, p.K);
     }
-    vf wk[V];
-    for (int j = 0; j < V; ++j) {
-      wk[j] = load(w[j] + (k - k0) * kLanes);
-      pin(wk[j]);
-    }
-    for (int m = 0; m < MR; ++m) {
-      const float xm = Packed ? x[k * MR + m] : x[m * p.K + k];
-      for (int j = 0; j < V; ++j) acc[m][j] += xm * wk[j];
+  } else {
+    // The streams to fetch (up to one per vector: fewer where two vectors share a
+    // block's lines), a column every `every` columns until `cols` are fetched.
+    const float* ahead[V];
+    for (int j = 0; j < V; ++j) ahead[j] = fetch.w[j];
+    const int lines = fetch.lines;
+    const float* const end = ahead[0] + (lines ? fetch.cols : 0) * kLanes;
+    int countdown = 1;
+    for (int64_t k = k0; k < k1; ++k) {
+      if (--countdown == 0) {
+        countdown = fetch.every;
+        if (ahead[0] < end) {
+          for (int j = 0; j < V; ++j) {
+            if (j < lines) __builtin_prefetch(ahead[j], 0, 2);
+            ahead[j] += kLanes;
+          }
+        }
+      }
+      step<MR, V, Packed>(acc, w, x, k, k0, p.K);
     }
   }
   if (sink.act && k1 == p.K) {
@@ -322,19 +356,34 @@ __attribute__((noinline)) void tile(const Problem& p, const Slots& s, const floa
 
 template <int V, int MR>
 void rows_tail(const Problem& p, const Slots& s, const float* x, const Sink& sink,
-               int64_t rows, int64_t k0, int64_t k1, const Prefetch& ahead) {
+               int64_t rows, int64_t k0, int64_t k1, const Fetch& fetch) {
   if constexpr (MR > 0) {
     if (rows == MR) {
-      const bool plain = ahead.one || (!ahead.lines && !ahead.own);
-      if (p.packed) {
-        if (plain) return tile<MR, V, false, true>(p, s, x, sink, k0, k1, ahead);
-        return tile<MR, V, true, true>(p, s, x, sink, k0, k1, ahead);
-      }
-      if (plain) return tile<MR, V, false, false>(p, s, x, sink, k0, k1, ahead);
-      return tile<MR, V, true, false>(p, s, x, sink, k0, k1, ahead);
+      if (p.packed) return tile<MR, V, true>(p, s, x, sink, k0, k1, fetch);
+      return tile<MR, V, false>(p, s, x, sink, k0, k1, fetch);
     }
-    rows_tail<V, MR - 1>(p, s, x, sink, rows, k0, k1, ahead);
+    rows_tail<V, MR - 1>(p, s, x, sink, rows, k0, k1, fetch);
   }
+}
+
+// What row tile t of `tiles` over a chunk of `columns` fetches: a lone tile its own
+// streams TM_STREAM_AHEAD columns ahead; more tiles their shares of the next chunk.
+Fetch plan(const Streams& next, int64_t tiles, int64_t t, int64_t columns) {
+  if (tiles == 1) {
+    Fetch lone;
+    lone.ahead = TM_STREAM_AHEAD;
+    return lone;
+  }
+  if (!TM_PREFETCH_NEXT || next.lines == 0) return Fetch{};
+  if (TM_SPREAD) return share(next, tiles, t, columns);
+  // The old plan: the first tile its own streams ahead, tiles 1 .. streams a stream each.
+  if (t == 0) return plan(next, 1, 0, columns);
+  if (t - 1 >= next.lines) return Fetch{};
+  Streams one;
+  one.w[0] = next.w[t - 1];
+  one.lines = 1;
+  one.cols = next.cols;
+  return share(one, 1, 0, columns);
 }
 
 // The slots' first V vectors for rows [m_begin, m_end) (the sink's row 0 is m_begin),
@@ -342,33 +391,18 @@ void rows_tail(const Problem& p, const Slots& s, const float* x, const Sink& sin
 // (its first chunk is fetched ahead).
 template <int V, int RowTile>
 void group(const Problem& p, const Slots& s, int64_t m_begin, int64_t m_end, const Sink& sink,
-           const Prefetch& next) {
+           const Streams& next) {
   const int64_t rows = m_end - m_begin;
   const int64_t tiles = (rows + RowTile - 1) / RowTile;
   for (int64_t k0 = 0; k0 < p.K; k0 += kChunk) {
     const int64_t k1 = std::min(p.K, k0 + kChunk);
     // The chunk after this one: this group's next columns, or the next group's first.
-    const Prefetch after = k1 < p.K ? streams(p.w, s, V, k1) : next;
+    const Streams after = k1 < p.K ? streams(p.w, s, V, k1, std::min(kChunk, p.K - k1)) : next;
     int64_t done = 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t size = tile_rows<RowTile>(rows, tiles, t, done);
-      // The first row tile fetches its own streams ahead; row tiles 1 .. tiles - 1 share
-      // out the next chunk's columns (none with one tile: a lone row tile streams from
-      // memory anyway, and fetching the next chunk measured slower).
-      Prefetch ahead;
-      if (t == 0) ahead.own = TM_STREAM_AHEAD;
-      if (TM_PREFETCH_NEXT && tiles > 1 && t > 0 && after.lines > 0) {
-        if (TM_ONE_STREAM && tiles - 1 >= after.lines) {
-          // A stream each for the first tiles after the first, none for the rest.
-          if (t - 1 < after.lines) ahead.one = after.w[t - 1];
-        } else {
-          ahead = after;
-          ahead.every = static_cast<int>(tiles - 1);
-          ahead.phase = static_cast<int>(t - 1);
-        }
-      }
       rows_tail<V, RowTile>(p, s, p.x + (m_begin + done) * p.K, sink.rows_on(done), size, k0,
-                            k1, ahead);
+                            k1, plan(after, tiles, t, k1 - k0));
       done += size;
     }
   }
@@ -376,7 +410,7 @@ void group(const Problem& p, const Slots& s, int64_t m_begin, int64_t m_end, con
 
 template <int V, int RowTile>
 void group_tail(const Problem& p, const Slots& s, int vectors, int64_t m_begin, int64_t m_end,
-                const Sink& sink, const Prefetch& next) {
+                const Sink& sink, const Streams& next) {
   if constexpr (V > 0) {
     if (vectors == V) return group<V, RowTile>(p, s, m_begin, m_end, sink, next);
     group_tail<V - 1, RowTile>(p, s, vectors, m_begin, m_end, sink, next);
