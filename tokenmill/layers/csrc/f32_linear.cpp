@@ -7,7 +7,7 @@
 // AVX-512: 24 accumulators in registers; 4 x 6 up to 12 rows, the decode tiles of
 // f32_tiles.h; a product's rows in tiles of even sizes), each
 // weight column loaded once per tile into registers and shared by its rows, the columns
-// in chunks of kChunk so a tile's weights stay in L1/L2 while every row tile of the
+// in chunks (chunk_for) so a tile's weights stay in L1/L2 while every row tile of the
 // product passes over them (one row: NB streams and sums per thread, ~2x one block at a
 // time). The work is split over torch's threads by groups of blocks (contiguous memory
 // per thread, each thread's run even to a block; one done early takes another's last
@@ -263,7 +263,7 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
       const int vectors = adjacent_slots(groups, g, q.K, s);
       const Streams next = after >= 0
           ? streams(q.w, following, adjacent_slots(groups, after, q.K, following), 0,
-                    std::min(kChunk, q.K))
+                    std::min(chunk_for(m1 - m0), q.K))
           : Streams{};
       const Sink sink{rows + m0 * ldo + groups.first(g) * kLanes, ldo};
       if (decode)
@@ -290,7 +290,7 @@ void fused(const Problem& p, float* o, int64_t width) {
       const int vectors = pair_slots(groups, g, q.K, s);
       const Streams next = after >= 0
           ? streams(q.w, following, pair_slots(groups, after, q.K, following), 0,
-                    std::min(kChunk, q.K))
+                    std::min(chunk_for(m1 - m0), q.K))
           : Streams{};
       const Sink sink{partial.data(), vectors * kVec, rows + m0 * width + groups.first(g) * kVec,
                       width};

@@ -91,6 +91,21 @@ typedef float vf __attribute__((vector_size(kVec * sizeof(float))));
 #define TM_CHUNK 256
 #endif
 constexpr int64_t kChunk = TM_CHUNK;
+// Columns per pass for a panel of TM_WIDE_CHUNK_ROWS rows or more: 3 blocks x 512 x 64 B
+// = 96 KB from L2, fewer passes over the rows' partial sums; with the even fetch below,
+// a 32 x 128 prefill ran ~1.05x faster and 32-row steps 1.01-1.06x on an Intel host,
+// where 8-row steps on the decode tiles ran 0.91x and 16-row ones on the wide tile
+// 0.92x (docs/BENCHMARKS.md). 0: kChunk at every row count.
+#ifndef TM_WIDE_CHUNK
+#define TM_WIDE_CHUNK 512
+#endif
+#ifndef TM_WIDE_CHUNK_ROWS
+#define TM_WIDE_CHUNK_ROWS 32
+#endif
+// The column chunk of a panel of `rows` rows.
+inline int64_t chunk_for(int64_t rows) {
+  return TM_WIDE_CHUNK > 0 && rows >= TM_WIDE_CHUNK_ROWS ? TM_WIDE_CHUNK : kChunk;
+}
 // Rows per panel: a thread takes its blocks over one panel of rows at a time, so the
 // rows it re-reads for every block group stay in L2 (not the whole x of a 2048-row
 // prefill step from L3; benchmarks/bench_native_rows.py compares panel sizes). 256:
@@ -394,10 +409,11 @@ void group(const Problem& p, const Slots& s, int64_t m_begin, int64_t m_end, con
            const Streams& next) {
   const int64_t rows = m_end - m_begin;
   const int64_t tiles = (rows + RowTile - 1) / RowTile;
-  for (int64_t k0 = 0; k0 < p.K; k0 += kChunk) {
-    const int64_t k1 = std::min(p.K, k0 + kChunk);
+  const int64_t chunk = chunk_for(rows);
+  for (int64_t k0 = 0; k0 < p.K; k0 += chunk) {
+    const int64_t k1 = std::min(p.K, k0 + chunk);
     // The chunk after this one: this group's next columns, or the next group's first.
-    const Streams after = k1 < p.K ? streams(p.w, s, V, k1, std::min(kChunk, p.K - k1)) : next;
+    const Streams after = k1 < p.K ? streams(p.w, s, V, k1, std::min(chunk, p.K - k1)) : next;
     int64_t done = 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t size = tile_rows<RowTile>(rows, tiles, t, done);
