@@ -100,20 +100,24 @@ def kernel(build: str):
     """The native kernel built with `build`'s -D settings, from the sources of the git
     revision it names first ("git:REV ...") or else from this checkout."""
     source, defines = native_linear.SOURCE, build.split()
-    if defines and defines[0].startswith("git:"):
-        revision, defines = defines[0].removeprefix("git:"), defines[1:]
-        root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"],
-                                            text=True).strip())
-        folder = Path(tempfile.mkdtemp(prefix="tokenmill-kernel-"))
+    named = bool(defines) and defines[0].startswith("git:")
+    revision = defines.pop(0).removeprefix("git:") if named else None
+    flags = (*native_linear.FLAGS, *(f"-D{define}" for define in defines))
+    if revision is None:
+        return build_extension("f32_linear", source, flags)
+    root = Path(subprocess.check_output(["git", "rev-parse", "--show-toplevel"],
+                                        text=True).strip())
+    # The build copies the sources into its cache directory: this copy can go after.
+    with tempfile.TemporaryDirectory(prefix="tokenmill-kernel-") as folder:
         for original in (source, *headers(source)):
-            path = original.relative_to(root).as_posix()
-            text = subprocess.run(["git", "show", f"{revision}:{path}"], capture_output=True,
-                                  text=True)
-            if text.returncode == 0:  # a header the revision lacks is left out
-                (folder / original.name).write_text(text.stdout)
-        source = folder / source.name
-    return build_extension("f32_linear", source,
-                           (*native_linear.FLAGS, *(f"-D{define}" for define in defines)))
+            shown = subprocess.run(["git", "show", f"{revision}:"
+                                    f"{original.relative_to(root).as_posix()}"],
+                                   capture_output=True, text=True)
+            if shown.returncode == 0:
+                Path(folder, original.name).write_text(shown.stdout)
+            elif original == source:  # a header the revision lacks is left out
+                raise SystemExit(f"git:{revision}: {shown.stderr.strip()}")
+        return build_extension("f32_linear", Path(folder, source.name), flags)
 
 
 def main() -> None:

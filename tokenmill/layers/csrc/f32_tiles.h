@@ -31,10 +31,11 @@ constexpr int kLanes = 16;  // a block's channels: the packed layout on every CP
 // 16 on: docs/BENCHMARKS.md; on an Intel host 1.2x slower than the wide tile, so
 // the engine measures which it takes: f32_linear.cpp's decode_rows). A chunk's lone
 // row tile fetches its own streams TM_STREAM_AHEAD columns ahead into L2; more row
-// tiles share out the next chunk's (TM_SPREAD). The fused activation's tiles take gate channels a vector
-// at a time ("units": a block with AVX-512, half a block without), each with the up
-// channels that pair with it: AVX-512, 6 rows x 2 units (6 x 4 accumulators), and
-// 4 x 3 up to 8 rows (at 10-12 rows neither won) where the decode tiles are taken;
+// tiles share out the next chunk's (TM_SPREAD). The fused activation's tiles take gate
+// channels a vector at a time ("units": a block with AVX-512, half a block without),
+// each with the up channels that pair with it: AVX-512, 6 rows x 2 units (6 x 4
+// accumulators), and 4 x 3 up to 8 rows (at 10-12 rows neither won) where the decode
+// tiles are taken;
 // where the wide tile is, 12 rows x 1 unit up to TM_WIDE_FUSED_ROWS rows (one tile of
 // up to 12 rows, two streams: a decode step's products 1.07x at 8 and 12 rows, 1.04x at
 // 16 and 32, level at 64, on an Intel host).
