@@ -41,8 +41,8 @@ def main() -> None:
     if stack is None:
         raise SystemExit("the decode stack does not take this model and --cpu-blas")
     declined = lambda self, metadata: False  # noqa: E731
-    ways = {"stack": (stack, whole), "whole attn": (None, whole),
-            "layer's steps": (None, declined)}
+    ways = {"stack": (stack, whole), "fresh tensors": (stack, whole),
+            "whole attn": (None, whole), "layer's steps": (None, declined)}
     tpot: dict[str, list[float]] = {way: [] for way in ways}
     expected = None
     print(f"{host_description()}; {args.cpu_blas}, {args.batch} x (prompt {args.prompt} + "
@@ -51,6 +51,7 @@ def main() -> None:
         for round_ in range(args.rounds + 1):  # the first round warms up
             for way, (model.decode_stack, method) in ways.items():
                 PagedNativeAttention.takes_whole_decode = method
+                stack.kernel.fresh = way == "fresh tensors"
                 outputs = llm.generate(prompts, params)
                 tokens = [o.outputs[0].token_ids for o in outputs]
                 expected = expected or tokens
@@ -61,6 +62,7 @@ def main() -> None:
                         o.outputs[0].metrics.time_per_output_token for o in outputs))
     finally:
         model.decode_stack, PagedNativeAttention.takes_whole_decode = stack, whole
+        stack.kernel.fresh = False
     medians = {way: statistics.median(times) for way, times in tpot.items()}
     for way, times in tpot.items():
         print(f"  {way:14s} TPOT median {medians[way]:7.2f} ms  (rounds "

@@ -62,6 +62,30 @@ def test_stack_changes_no_bit(model_factory, family, steps_taken):
     assert len(steps_taken) == PARAMS.max_tokens - 1  # none while it was unset
 
 
+def test_kept_buffers_equal_fresh_tensors(llama_dir, steps_taken):
+    """The stack's kept activation buffers against a new tensor for every output (as
+    kernels that return theirs make them): the same bits, and the kept ones survive a
+    change of row count (requests finishing at different steps)."""
+    llm = LLM(str(llama_dir), progress=False, cpu_blas="native")
+    kernel = model_of(llm.engine).decode_stack.kernel
+    prompts = PROMPTS + [[9, 8, 7]]
+    params = [SamplingParams(temperature=0, max_tokens=n, logprobs=3, ignore_eos=True)
+              for n in (8, 3, 6, 2)]
+
+    def run() -> list[list[tuple]]:
+        return [[(step.token_id, step.logprob, *step.top) for step in out.outputs[0].logprobs]
+                for out in llm.generate(prompts, params)]
+
+    kept = run()
+    assert sorted(set(steps_taken)) == [1, 2, 3, 4]
+    kernel.fresh = True
+    try:
+        assert run() == kept
+    finally:
+        kernel.fresh = False
+    assert run() == kept
+
+
 @pytest.mark.parametrize("options", [{}, {"speculative_method": "ngram",
                                           "prompt_lookup_min": 1, "spec_adaptive": False}])
 def test_staggered_requests_equal_the_layers_path(llama_dir, steps_taken, options):
@@ -138,6 +162,15 @@ def test_kernel_errors_name_what_is_wrong():
     stack = kernel.Stack(entries, norm, 1e-6)
     with pytest.raises(RuntimeError, match="one key and one value pool per layer"):
         stack.set_pools([torch.zeros(1)], [torch.zeros(1)])
+    norms = (torch.ones(8), 1e-6, torch.ones(8), 1e-6, 2, 0.5)
+    square = [native_linear.pack(torch.randn(n, 8)) for n in (32, 8, 32, 8)]
+    with pytest.raises(RuntimeError, match="outputs must fill its packed blocks"):
+        stack.add_layer(*norms, square, [None] * 4, [24, 8, 32, 8])
+    stack.add_layer(*norms, square, [None] * 4, [32, 16, 32, 16])
+    wider = [native_linear.pack(torch.randn(n, 8)) for n in (48, 8, 32, 8)]
+    with pytest.raises(RuntimeError, match="every layer must have the first one's shapes"):
+        stack.add_layer(*norms, wider, [None] * 4, [48, 16, 32, 16])
+    stack = kernel.Stack(entries, norm, 1e-6)
     with pytest.raises(RuntimeError, match="no layers"):
         stack.run(torch.zeros(1, 8), torch.zeros(1, 4), torch.zeros(1, 4), 1,
                   torch.zeros(1, dtype=torch.int64), torch.zeros(1, 1, dtype=torch.int32),

@@ -131,7 +131,8 @@ class PagedNativeAttention(PagedAttention):
         if route is None:
             return None
         kernel, tables, lengths = route
-        return _entry_points(kernel)["rope_write_and_decode"], metadata.slot_mapping, tables, lengths
+        entry = _entry_points(kernel)["rope_write_and_decode_into"]
+        return entry, metadata.slot_mapping, tables, lengths
 
     def build_metadata(self, layout: BatchLayout) -> PagedMetadata:
         metadata = super().build_metadata(layout)

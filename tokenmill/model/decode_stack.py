@@ -11,7 +11,11 @@ whole-step attention are reached through the entry points their modules export
 so it is no switch: it is taken wherever it reproduces that path exactly, namely
 
 - a Llama-family model (Llama, Mistral, Qwen2: no q/k norms, the gated MLP) on one
-  rank, with its final norm (the last pipeline stage, or no pipeline);
+  rank, with its final norm (the last pipeline stage, or no pipeline), every layer of
+  one shape and every product's width a multiple of 16 (the step's activations live in
+  one set of buffers the stack keeps from step to step, each product writing a whole
+  buffer: a tensor made between two weight streams cost ~10 us of cache misses, ~250
+  of them a step);
 - every product of the layers on the native kernel (`--cpu-blas native`, or `auto`
   choosing it), the row operators built;
 - a backend that offers the step whole with an entry point (`paged-native` on a
@@ -65,6 +69,12 @@ def _unpatched() -> bool:
     return all(getattr(cls, name) is method for cls, name, method in _REPRODUCED)
 
 
+def first_shapes(inner: torch.nn.Module) -> list[tuple[int, int]]:
+    attn, mlp = inner.layers[0].self_attn, inner.layers[0].mlp
+    return [(p.out_features, p.in_features)
+            for p in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+
+
 def _suits(model: LlamaForCausalLM) -> bool:
     """Whether the model's layers are exactly what the stack's loop does."""
     inner = model.model
@@ -78,6 +88,11 @@ def _suits(model: LlamaForCausalLM) -> bool:
             return False
         products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if any(p.method is not native_linear.NATIVE for p in products):
+            return False
+        # One set of activation buffers serves every layer, each product's outputs
+        # filling its packed blocks.
+        shapes = [(p.out_features, p.in_features) for p in products]
+        if any(out % native_linear.LANES for out, _ in shapes) or shapes != first_shapes(inner):
             return False
         if not native_linear.fuses_silu_mul(mlp.gate_up_proj.out_features):
             return False

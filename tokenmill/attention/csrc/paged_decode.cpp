@@ -235,10 +235,11 @@ torch::Tensor write_and_decode(torch::Tensor q, torch::Tensor k, torch::Tensor v
 // attend (paged_decode); returns [T, H Dh]. One call where the Python layer took a
 // split, views, a rotation and the write-and-attend call (each a dispatch that runs
 // cold after the weights' stream).
-torch::Tensor rope_write_and_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                    torch::Tensor slots, torch::Tensor keys,
-                                    torch::Tensor values, torch::Tensor tables,
-                                    torch::Tensor lengths, double scale, int64_t heads) {
+void rope_write_and_decode_into(const torch::Tensor& qkv, const torch::Tensor& cos,
+                                const torch::Tensor& sin, const torch::Tensor& slots,
+                                const torch::Tensor& keys, const torch::Tensor& values,
+                                const torch::Tensor& tables, const torch::Tensor& lengths,
+                                double scale, int64_t heads, const torch::Tensor& out) {
   TORCH_CHECK(qkv.dtype() == torch::kFloat32 && qkv.dim() == 2 && qkv.is_contiguous(),
               "rope_write_and_decode takes a contiguous float32 qkv [T, (H + 2 KVH) Dh]");
   TORCH_CHECK(keys.dim() == 4, "the key pool is [blocks, block size, KVH, Dh]");
@@ -248,23 +249,42 @@ torch::Tensor rope_write_and_decode(torch::Tensor qkv, torch::Tensor cos, torch:
               "rope_write_and_decode: qkv has ", width, " columns, not (", heads,
               " + 2 x ", kv_heads, ") x ", head_dim);
   TORCH_CHECK(cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32 &&
+                  cos.is_contiguous() && sin.is_contiguous() &&
                   cos.numel() == tokens * half && sin.numel() == tokens * half,
-              "rope_write_and_decode: cos and sin hold [T, Dh / 2] float32 values");
+              "rope_write_and_decode: cos and sin hold [T, Dh / 2] contiguous float32 values");
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() &&
+                  out.numel() == tokens * heads * head_dim,
+              "rope_write_and_decode: out must be contiguous float32 [T, H Dh]");
   check_pool(tokens, heads, head_dim, keys, values, tables, lengths);
   const int64_t* slot = checked_slots(slots, tokens, keys);
   // Raw pointers from here on: no tensor views (each a dispatch, run cold).
-  const auto c = cos.contiguous(), s = sin.contiguous();
   float* data = qkv.data_ptr<float>();
   tokenmill::rotate_rows(data, 0, tokens, width, heads + kv_heads, half,
-                         c.data_ptr<float>(), s.data_ptr<float>());
+                         cos.data_ptr<float>(), sin.data_ptr<float>());
   const int64_t token_floats = kv_heads * head_dim;
   store_rows(data + heads * head_dim, width, tokens, slot, keys.data_ptr<float>(),
              token_floats);
   store_rows(data + heads * head_dim + token_floats, width, tokens, slot,
              values.data_ptr<float>(), token_floats);
-  auto out = torch::empty({tokens, heads * head_dim}, qkv.options());
   decode_rows(data, width, tokens, heads, head_dim, keys, values, tables, lengths, scale,
               out.data_ptr<float>());
+}
+
+// A decode step's whole attention from the layer's fused projection qkv [T, (H + 2 KVH)
+// Dh] (contiguous): rotate its query and key heads in place by cos and sin ([T, Dh / 2]
+// each, in any shape with that many values), store the keys and values at their slots,
+// attend (paged_decode); returns [T, H Dh]. One call where the Python layer took a
+// split, views, a rotation and the write-and-attend call (each a dispatch that runs
+// cold after the weights' stream).
+torch::Tensor rope_write_and_decode(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
+                                    torch::Tensor slots, torch::Tensor keys,
+                                    torch::Tensor values, torch::Tensor tables,
+                                    torch::Tensor lengths, double scale, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 2 && heads > 0, "rope_write_and_decode takes qkv [T, (H + 2 KVH) Dh]");
+  TORCH_CHECK(keys.dim() == 4, "the key pool is [blocks, block size, KVH, Dh]");
+  auto out = torch::empty({qkv.size(0), heads * keys.size(3)}, qkv.options());
+  rope_write_and_decode_into(qkv, cos.contiguous(), sin.contiguous(), slots, keys, values,
+                             tables, lengths, scale, heads, out);
   return out;
 }
 
@@ -275,8 +295,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write_and_decode", &rope_write_and_decode,
         "rotate a decode step's qkv projection's query and key heads, then write_and_decode");
   m.def("entry_points", [] {
-    const tokenmill::entry::QkvDecode qkv_decode = &rope_write_and_decode;
+    const tokenmill::entry::QkvDecode qkv_decode = &rope_write_and_decode_into;
     return std::map<std::string, int64_t>{
-        {"rope_write_and_decode", tokenmill::entry::address(qkv_decode)}};
+        {"rope_write_and_decode_into", tokenmill::entry::address(qkv_decode)}};
   }, "the whole-step decode's C++ entry point by name (csrc/shared/entry_points.h)");
 }

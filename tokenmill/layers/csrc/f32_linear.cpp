@@ -68,6 +68,27 @@ Groups groups_of(int64_t items, int64_t tile) {
   return {items, tile, TM_EVEN_SHARES ? std::max(1, at::get_num_threads()) : 1};
 }
 
+// Whether a plain product of `rows` rows over `blocks` blocks takes the decode tiles:
+// up to decode_rows rows, where they leave each of `threads` four groups or more.
+bool takes_decode_tiles(int64_t rows, int64_t blocks, int64_t threads) {
+  return rows <= decode_rows && blocks >= 4 * kDecodeBlockTile * threads;
+}
+
+// The fused activation's tile for `rows` rows of `width` gate channels: AVX-512's few-row
+// tile where it leaves each thread four groups or more (AVX2's: below 8 rows whatever
+// the width); AVX-512's wide fused tile where the host takes the wide tile (no decode
+// tiles); else the plain one.
+enum class FusedTile { few, wide, plain };
+FusedTile fused_tile(int64_t rows, int64_t width, int64_t threads) {
+  if (rows < fused_few_rows(decode_rows) &&
+      (kVec < kLanes || width / kVec >= 4 * kFewUnitTile * threads))
+    return FusedTile::few;
+  if (kWideFusedRows > 0 && decode_rows == 0 && rows <= kWideFusedRows &&
+      width / kVec >= 4 * kWideUnitTile * threads)
+    return FusedTile::wide;
+  return FusedTile::plain;
+}
+
 // Group g of a plain product: its blocks, a vector per kVec lanes. Returns the vectors.
 int adjacent_slots(const Groups& groups, int64_t g, int64_t K, Slots& s) {
   const int64_t b0 = groups.first(g);
@@ -244,17 +265,20 @@ Problem problem(const torch::Tensor& x, const torch::Tensor& packed,
           has_bias ? bias->data_ptr<float>() : nullptr, x.size(0), x.size(1)};
 }
 
-torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
-                         int64_t out_features) {
-  check_product(x, packed, bias, out_features);
-  x = x.contiguous();
+// out [M, columns] float32, contiguous: what an `_into` entry point writes.
+void check_out(const torch::Tensor& out, const torch::Tensor& x, int64_t columns) {
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous");
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == x.size(0) && out.size(1) == columns,
+              "out must be float32 [", x.size(0), ", ", columns, "], contiguous");
+}
+
+// y = x W^T + b into o [M][blocks * 16] (x contiguous; checked).
+void linear_into(const torch::Tensor& x, const torch::Tensor& packed,
+                 const c10::optional<torch::Tensor>& bias, float* o) {
   const int64_t blocks = packed.size(0), ldo = blocks * kLanes;
-  auto out = torch::empty({x.size(0), ldo}, x.options());
-  Problem p = problem(x, packed, bias);
-  float* o = out.data_ptr<float>();
-  // The decode tile where it leaves every thread four groups or more.
-  const bool decode = p.M <= decode_rows &&
-                      blocks >= 4 * kDecodeBlockTile * at::get_num_threads();
+  const Problem p = problem(x, packed, bias);
+  const bool decode = takes_decode_tiles(p.M, blocks, at::get_num_threads());
   const Groups groups = groups_of(blocks, decode ? kDecodeBlockTile : kBlockTile);
   in_slices<kRowTile>(p, !decode, [&](const Problem& q) {
     float* const rows = o + q.row0 * ldo;
@@ -272,8 +296,27 @@ torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<to
         group_tail<kBlockTile * kParts, kRowTile>(q, s, vectors, m0, m1, sink, next);
     });
   });
+}
+
+torch::Tensor f32_linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias,
+                         int64_t out_features) {
+  check_product(x, packed, bias, out_features);
+  x = x.contiguous();
+  const int64_t ldo = packed.size(0) * kLanes;
+  auto out = torch::empty({x.size(0), ldo}, x.options());
+  linear_into(x, packed, bias, out.data_ptr<float>());
   if (out_features == ldo) return out;
   return out.narrow(1, 0, out_features).contiguous();
+}
+
+// f32_linear into out [M, blocks * 16] (x contiguous): the decode stack's entry point,
+// which keeps its buffers from step to step (a tensor made after a weight stream costs
+// ~10 us of cache misses, more than a short product's arithmetic).
+void f32_linear_into(const torch::Tensor& x, const torch::Tensor& packed,
+                     const c10::optional<torch::Tensor>& bias, const torch::Tensor& out) {
+  check_product(x, packed, bias, packed.size(0) * kLanes);
+  check_out(out, x, packed.size(0) * kLanes);
+  linear_into(x, packed, bias, out.data_ptr<float>());
 }
 
 // silu(gate) * up into o [M][width] in tiles of UnitTile units x RowTile rows.
@@ -299,28 +342,42 @@ void fused(const Problem& p, float* o, int64_t width) {
   });
 }
 
-torch::Tensor f32_linear_silu_mul(torch::Tensor x, torch::Tensor packed,
-                                  c10::optional<torch::Tensor> bias, int64_t out_features) {
+void check_fused(const torch::Tensor& x, const torch::Tensor& packed,
+                 const c10::optional<torch::Tensor>& bias, int64_t out_features) {
   check_product(x, packed, bias, out_features);
-  const int64_t blocks = packed.size(0);
-  TORCH_CHECK(out_features == blocks * kLanes && blocks % 2 == 0,
+  TORCH_CHECK(out_features == packed.size(0) * kLanes && packed.size(0) % 2 == 0,
               "the fused activation takes [gate | up] of 2 x a multiple of 16 channels, got ",
               out_features);
-  x = x.contiguous();
-  const int64_t pairs = blocks / 2, width = pairs * kLanes;
-  auto out = torch::empty({x.size(0), width}, x.options());
+}
+
+// silu(gate) * up into o [M][width] (x contiguous; checked).
+void silu_mul_into(const torch::Tensor& x, const torch::Tensor& packed,
+                   const c10::optional<torch::Tensor>& bias, float* o) {
+  const int64_t width = packed.size(0) / 2 * kLanes;
   const Problem p = problem(x, packed, bias);
-  // AVX-512's few-row tile where it leaves every thread four groups or more (AVX2's:
-  // below 8 rows whatever the width).
-  const bool few = p.M < fused_few_rows(decode_rows) &&
-                   (kVec < kLanes || width / kVec >= 4 * kFewUnitTile * at::get_num_threads());
-  // AVX-512's wide fused tile where the host takes the wide tile (no decode tiles).
-  const bool wide = kWideFusedRows > 0 && decode_rows == 0 && p.M <= kWideFusedRows &&
-                    width / kVec >= 4 * kWideUnitTile * at::get_num_threads();
-  if (few) fused<kFewUnitTile, kFewRowTile>(p, out.data_ptr<float>(), width);
-  else if (wide) fused<kWideUnitTile, kWideFusedRowTile>(p, out.data_ptr<float>(), width);
-  else fused<kUnitTile, kFusedRowTile>(p, out.data_ptr<float>(), width);
+  switch (fused_tile(p.M, width, at::get_num_threads())) {
+    case FusedTile::few: fused<kFewUnitTile, kFewRowTile>(p, o, width); break;
+    case FusedTile::wide: fused<kWideUnitTile, kWideFusedRowTile>(p, o, width); break;
+    case FusedTile::plain: fused<kUnitTile, kFusedRowTile>(p, o, width);
+  }
+}
+
+torch::Tensor f32_linear_silu_mul(torch::Tensor x, torch::Tensor packed,
+                                  c10::optional<torch::Tensor> bias, int64_t out_features) {
+  check_fused(x, packed, bias, out_features);
+  x = x.contiguous();
+  auto out = torch::empty({x.size(0), out_features / 2}, x.options());
+  silu_mul_into(x, packed, bias, out.data_ptr<float>());
   return out;
+}
+
+// f32_linear_silu_mul into out [M, blocks * 8] (x contiguous): the decode stack's.
+void f32_linear_silu_mul_into(const torch::Tensor& x, const torch::Tensor& packed,
+                              const c10::optional<torch::Tensor>& bias,
+                              const torch::Tensor& out) {
+  check_fused(x, packed, bias, packed.size(0) * kLanes);
+  check_out(out, x, packed.size(0) / 2 * kLanes);
+  silu_mul_into(x, packed, bias, out.data_ptr<float>());
 }
 
 void set_decode_rows(int64_t rows) {
@@ -343,8 +400,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "work items a thread took from another's run since the library loaded");
   m.attr("max_decode_rows") = kDecodeRows;
   m.def("entry_points", [] {
-    const tokenmill::entry::Product linear = &f32_linear, silu_mul = &f32_linear_silu_mul;
-    return std::map<std::string, int64_t>{{"f32_linear", tokenmill::entry::address(linear)},
-                                          {"f32_linear_silu_mul", tokenmill::entry::address(silu_mul)}};
+    const tokenmill::entry::Product linear = &f32_linear_into;
+    const tokenmill::entry::Product silu_mul = &f32_linear_silu_mul_into;
+    return std::map<std::string, int64_t>{
+        {"f32_linear_into", tokenmill::entry::address(linear)},
+        {"f32_linear_silu_mul_into", tokenmill::entry::address(silu_mul)}};
   }, "the products' C++ entry points by name (csrc/shared/entry_points.h)");
 }

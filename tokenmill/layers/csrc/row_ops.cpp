@@ -46,16 +46,22 @@ inline void normalize_row(const float* row, const float* w, float* target, int64
   for (int64_t i = 0; i < width; ++i) target[i] = w[i] * (row[i] * inverse);
 }
 
+void check_rows_out(const torch::Tensor& x, const torch::Tensor& out, const char* name) {
+  TORCH_CHECK(out.dtype() == torch::kFloat32 && out.is_contiguous() && out.sizes() == x.sizes(),
+              name, ": out must be contiguous float32 of x's shape");
+}
+
 }  // namespace
 
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+void rms_norm_into(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                   const torch::Tensor& out) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && weight.dtype() == torch::kFloat32,
               "rms_norm takes float32");
   TORCH_CHECK(x.is_contiguous() && weight.is_contiguous(), "rms_norm takes contiguous tensors");
   const int64_t width = weight.numel();
   TORCH_CHECK(x.size(-1) == width, "rms_norm: the last dimension must match the weight");
+  check_rows_out(x, out, "rms_norm");
   const int64_t rows = x.numel() / width;
-  auto out = torch::empty_like(x);
   const float* in = x.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
   float* o = out.data_ptr<float>();
@@ -65,11 +71,18 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
       normalize_row(in + r * width, w, o + r * width, width, e);
     }
   });
+}
+
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  auto out = torch::empty_like(x, at::MemoryFormat::Contiguous);
+  rms_norm_into(x, weight, eps, out);
   return out;
 }
 
-std::vector<torch::Tensor> add_rms_norm(torch::Tensor residual, torch::Tensor delta,
-                                        torch::Tensor weight, double eps) {
+// total may be residual itself (each element is read before it is written).
+void add_rms_norm_into(const torch::Tensor& residual, const torch::Tensor& delta,
+                       const torch::Tensor& weight, double eps, const torch::Tensor& total,
+                       const torch::Tensor& out) {
   TORCH_CHECK(residual.dtype() == torch::kFloat32 && delta.dtype() == torch::kFloat32 &&
                   weight.dtype() == torch::kFloat32, "add_rms_norm takes float32");
   TORCH_CHECK(residual.is_contiguous() && delta.is_contiguous() && weight.is_contiguous() &&
@@ -77,9 +90,9 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor residual, torch::Tensor de
               "add_rms_norm takes contiguous tensors of one shape");
   const int64_t width = weight.numel();
   TORCH_CHECK(residual.size(-1) == width, "add_rms_norm: the last dimension must match the weight");
+  check_rows_out(residual, total, "add_rms_norm");
+  check_rows_out(residual, out, "add_rms_norm");
   const int64_t rows = residual.numel() / width;
-  auto total = torch::empty_like(residual);
-  auto out = torch::empty_like(residual);
   const float* a = residual.data_ptr<float>();
   const float* b = delta.data_ptr<float>();
   const float* w = weight.data_ptr<float>();
@@ -94,6 +107,13 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor residual, torch::Tensor de
       normalize_row(t + at, w, o + at, width, e);
     }
   });
+}
+
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor residual, torch::Tensor delta,
+                                        torch::Tensor weight, double eps) {
+  auto total = torch::empty_like(residual, at::MemoryFormat::Contiguous);
+  auto out = torch::empty_like(residual, at::MemoryFormat::Contiguous);
+  add_rms_norm_into(residual, delta, weight, eps, total, out);
   return {total, out};
 }
 
@@ -201,9 +221,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows (float32)");
   m.def("rotate_", &rotate_, "rotary embedding in place on [T, heads, D] (float32)");
   m.def("entry_points", [] {
-    const tokenmill::entry::RmsNorm norm = &rms_norm;
-    const tokenmill::entry::AddRmsNorm add_norm = &add_rms_norm;
-    return std::map<std::string, int64_t>{{"rms_norm", tokenmill::entry::address(norm)},
-                                          {"add_rms_norm", tokenmill::entry::address(add_norm)}};
+    const tokenmill::entry::RmsNorm norm = &rms_norm_into;
+    const tokenmill::entry::AddRmsNorm add_norm = &add_rms_norm_into;
+    return std::map<std::string, int64_t>{
+        {"rms_norm_into", tokenmill::entry::address(norm)},
+        {"add_rms_norm_into", tokenmill::entry::address(add_norm)}};
   }, "the norms' C++ entry points by name (csrc/shared/entry_points.h)");
 }

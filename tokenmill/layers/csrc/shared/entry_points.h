@@ -12,21 +12,31 @@
 
 namespace tokenmill::entry {
 
-// x [M, K] times a weight packed [blocks, K, 16], bias [blocks * 16] or none, N outputs
-// (layers/csrc/f32_linear.cpp: f32_linear and f32_linear_silu_mul).
-using Product = torch::Tensor (*)(torch::Tensor x, torch::Tensor packed,
-                                  c10::optional<torch::Tensor> bias, int64_t out_features);
-// RMSNorm of each row (layers/csrc/row_ops.cpp: rms_norm).
-using RmsNorm = torch::Tensor (*)(torch::Tensor x, torch::Tensor weight, double eps);
-// {residual + delta, its RMSNorm} (row_ops.cpp: add_rms_norm).
-using AddRmsNorm = std::vector<torch::Tensor> (*)(torch::Tensor residual, torch::Tensor delta,
-                                                  torch::Tensor weight, double eps);
-// A decode step's attention from a layer's qkv projection: rotation, K/V write and paged
-// decode (attention/csrc/paged_decode.cpp: rope_write_and_decode).
-using QkvDecode = torch::Tensor (*)(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
-                                    torch::Tensor slots, torch::Tensor keys,
-                                    torch::Tensor values, torch::Tensor tables,
-                                    torch::Tensor lengths, double scale, int64_t heads);
+// Each writes into `out` (contiguous, its shape checked), which the caller keeps from
+// call to call: a tensor made after a weight's stream has flushed the caches costs ~10
+// us of misses, more than a decode step's norm or short product.
+//
+// x [M, K] (contiguous) times a weight packed [blocks, K, 16], bias [blocks * 16] or
+// none, into out [M, blocks * 16]; or silu(gate) * up of a [gate | up] weight into out
+// [M, blocks * 8] (layers/csrc/f32_linear.cpp: f32_linear_into, f32_linear_silu_mul_into).
+using Product = void (*)(const torch::Tensor& x, const torch::Tensor& packed,
+                         const c10::optional<torch::Tensor>& bias, const torch::Tensor& out);
+// RMSNorm of each row of x into out (layers/csrc/row_ops.cpp: rms_norm_into).
+using RmsNorm = void (*)(const torch::Tensor& x, const torch::Tensor& weight, double eps,
+                         const torch::Tensor& out);
+// residual + delta into total (which may be residual itself), its RMSNorm into out
+// (row_ops.cpp: add_rms_norm_into).
+using AddRmsNorm = void (*)(const torch::Tensor& residual, const torch::Tensor& delta,
+                            const torch::Tensor& weight, double eps, const torch::Tensor& total,
+                            const torch::Tensor& out);
+// A decode step's attention from a layer's qkv projection (rotated in place): rotation,
+// K/V write and paged decode into out [T, H Dh] (attention/csrc/paged_decode.cpp:
+// rope_write_and_decode_into).
+using QkvDecode = void (*)(const torch::Tensor& qkv, const torch::Tensor& cos,
+                           const torch::Tensor& sin, const torch::Tensor& slots,
+                           const torch::Tensor& keys, const torch::Tensor& values,
+                           const torch::Tensor& tables, const torch::Tensor& lengths,
+                           double scale, int64_t heads, const torch::Tensor& out);
 
 template <typename Fn>
 int64_t address(Fn fn) {
