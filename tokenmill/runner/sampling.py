@@ -78,7 +78,7 @@ class StepSampler:
             logits = self.model.compute_logits(hidden[verify_rows])
             self._verify(verified, logits, draft_probs, result)
         if sampled:
-            logits = self.model.compute_logits(hidden[sample_rows])
+            logits = self.model.compute_logits(_rows(hidden, sample_rows))
             if self.tracer is not None:
                 self.tracer.mark("logits")
             self._sample(sampled, logits, result)
@@ -152,6 +152,15 @@ class StepSampler:
         logprobs = self.model.compute_logits(rows).log_softmax(dim=-1)
         result.output(request.request_id).prompt_logprobs = logprob_entries(
             logprobs, wanted.target_token_ids, wanted.num_top)
+
+
+def _rows(hidden: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """hidden[rows] for increasing rows; hidden itself when they are all of its rows (a
+    batch of decode tokens), sparing a gather that costs ~0.17 ms with caches cold after
+    a step's weight stream."""
+    if len(rows) == hidden.shape[0] and rows[-1] == len(rows) - 1:
+        return hidden
+    return hidden[rows]
 
 
 def _seeded_uniform(sampling: SamplingRequest, position: int) -> float | None:
