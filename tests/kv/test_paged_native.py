@@ -77,6 +77,30 @@ def test_the_backend_takes_the_kernel_for_one_token_rows_only(monkeypatch, llama
     assert calls == []  # a quantized cache is dequantized by the gather path
 
 
+def test_metadata_without_a_mask_still_serves_the_gather_path(monkeypatch, llama_dir):
+    """With the kernel ready the backend builds no decode mask (it reads key counts);
+    should a step's rows still take the gather path, the mask is made from the counts."""
+    native = LLM(str(llama_dir), progress=False, attention_backend="paged-native")
+    backend = native.engine.executor.worker.runner.backend
+    built = []
+    real_build = backend.build_metadata
+
+    def build(layout):
+        built.append(real_build(layout))
+        return built[-1]
+
+    monkeypatch.setattr(backend, "build_metadata", build)
+    monkeypatch.setattr(backend, "_kernel", lambda *args: None)  # every row: the gather
+    monkeypatch.setattr(backend, "takes_whole_decode", lambda metadata: False)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 17, 42, 99, 3], list(range(20, 61))]
+    plain = LLM(str(llama_dir), progress=False, attention_backend="paged")
+    assert ([o.outputs[0].token_ids for o in native.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompts, params)])
+    decodes = [m for m in built if m.num_decode_tokens and not m.prefills]
+    assert decodes and all(m.decode_mask is None for m in decodes)
+
+
 def test_write_and_decode_stores_the_rows_then_attends():
     generator = torch.Generator().manual_seed(1)
     blocks, block_size, kv_heads, head_dim, heads = 64, 16, 2, 64, 14

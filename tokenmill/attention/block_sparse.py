@@ -150,7 +150,8 @@ class BlockSparseAttention(PagedNativeAttention):
         return dataclasses.replace(
             metadata, num_decode_tokens=len(rows),
             decode_block_tables=metadata.decode_block_tables[rows],
-            decode_mask=metadata.decode_mask[rows], decode_lengths=metadata.decode_lengths[rows])
+            decode_mask=None if metadata.decode_mask is None else metadata.decode_mask[rows],
+            decode_lengths=metadata.decode_lengths[rows])
 
     def take_counts(self) -> dict[tuple[int, str], tuple[int, int]]:
         """Per (layer, head kind), (keys attended, queries) since the last call (the

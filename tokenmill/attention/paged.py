@@ -47,7 +47,8 @@ class PagedMetadata:
     num_decode_tokens: int
     # Decode rows (tokens [0, num_decode_tokens)): padded block tables, and where each
     # row's queries may look: [D, 1, G * Q, max_blocks * block_size], laid out for the
-    # G query heads that share a KV head (see grouped_decode_attention).
+    # G query heads that share a KV head (see grouped_decode_attention); None for
+    # one-token rows where the backend reads decode_lengths instead (wants_decode_mask).
     decode_block_tables: torch.Tensor | None
     decode_mask: torch.Tensor | None
     prefills: list[PrefillChunk]
@@ -95,6 +96,10 @@ class PagedAttention(AttentionBackend):
                              prefills, query_len or 1, index, lengths, token_tables,
                              token_lengths)
 
+    def wants_decode_mask(self) -> bool:
+        """Whether one-token decode rows need PagedMetadata.decode_mask at hand."""
+        return True
+
     def _decode_metadata(self, layout: BatchLayout, rows: range
                          ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None,
                                     torch.Tensor | None,
@@ -110,7 +115,11 @@ class PagedAttention(AttentionBackend):
         query_len = max(lengths_list)
         index = keys = per_token = None
         if query_len == 1:
-            mask = (key_pos[None, :] <= contexts[:, None])[:, None, None, :]
+            # A backend whose kernel reads key counts builds no mask: after a step's
+            # weight stream, with the caches cold, its few ops took ~0.1 ms of a
+            # one-row step. _decode makes it from the counts if it is ever wanted.
+            mask = (key_pos[None, :] <= contexts[:, None])[:, None, None, :] \
+                if self.wants_decode_mask() else None
             keys = contexts + 1
         else:
             # Query r of a row sees its context and the row's tokens up to r. Padding
@@ -131,7 +140,8 @@ class PagedAttention(AttentionBackend):
             token_offsets = index - token_rows * query_len  # r of each real token
             per_token = (block_tables.index_select(0, token_rows),
                          contexts.index_select(0, token_rows) + token_offsets + 1)
-        return block_tables, group_mask(mask, group), query_len, index, keys, per_token
+        return (block_tables, None if mask is None else group_mask(mask, group), query_len,
+                index, keys, per_token)
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache,
                  metadata: PagedMetadata) -> None:
@@ -188,7 +198,11 @@ class PagedAttention(AttentionBackend):
             grid = q.new_zeros(rows * query_len, *q.shape[1:])
             grid.index_copy_(0, metadata.decode_query_index, q)
             q = grid
-        o = grouped_decode_attention(q, keys, values, metadata.decode_mask, query_len, scale)
+        mask = metadata.decode_mask
+        if mask is None:  # one-token rows: each sees its first decode_lengths keys
+            key_pos = torch.arange(keys.shape[1], device=keys.device)
+            mask = (key_pos[None, :] < metadata.decode_lengths[:, None])[:, None, None, :]
+        o = grouped_decode_attention(q, keys, values, mask, query_len, scale)
         if query_len == 1:
             return o
         return o.index_select(0, metadata.decode_query_index)

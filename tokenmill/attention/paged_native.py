@@ -81,6 +81,9 @@ class PagedNativeAttention(PagedAttention):
                 self.prefill_limit = prefill_native.longest_sequence(
                     kernel, self.spec.num_heads, self.spec.num_kv_heads, self.spec.head_dim)
 
+    def wants_decode_mask(self) -> bool:
+        return not self.whole_decode_ready  # the kernel reads key counts
+
     def forward(self, layer_index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv_cache: KVCache, metadata: PagedMetadata, scale: float) -> torch.Tensor:
         routed = self._kernel(q, kv_cache, metadata) if self.fused_decode else None
