@@ -109,19 +109,21 @@ class PagedAttention(AttentionBackend):
         width = max(len(t) for t in tables)
         padded = [t + [0] * (width - len(t)) for t in tables]
         lengths_list = [layout.query_lens[r] for r in rows]
-        contexts = torch.tensor([layout.context_lens[r] for r in rows], dtype=torch.int64,
-                                device=device)
-        key_pos = torch.arange(width * layout.block_size, device=device)
+        context_list = [layout.context_lens[r] for r in rows]
         query_len = max(lengths_list)
-        index = keys = per_token = None
+        index = per_token = mask = None
         if query_len == 1:
+            keys = torch.tensor([c + 1 for c in context_list], dtype=torch.int64, device=device)
             # A backend whose kernel reads key counts builds no mask: after a step's
             # weight stream, with the caches cold, its few ops took ~0.1 ms of a
             # one-row step. _decode makes it from the counts if it is ever wanted.
-            mask = (key_pos[None, :] <= contexts[:, None])[:, None, None, :] \
-                if self.wants_decode_mask() else None
-            keys = contexts + 1
+            if self.wants_decode_mask():
+                key_pos = torch.arange(width * layout.block_size, device=device)
+                mask = (key_pos[None, :] < keys[:, None])[:, None, None, :]
         else:
+            keys = None
+            contexts = torch.tensor(context_list, dtype=torch.int64, device=device)
+            key_pos = torch.arange(width * layout.block_size, device=device)
             # Query r of a row sees its context and the row's tokens up to r. Padding
             # queries (rows shorter than query_len) copy the row's last query, so no
             # row is fully masked; their outputs are dropped.
