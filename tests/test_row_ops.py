@@ -2,8 +2,8 @@
 replace: rotary embedding bit for bit (on Q and K side by side in a fused QKV row, as
 the model calls it), RMSNorm to an ulp or two, the residual add before a norm bit for
 bit, silu(gate) * up to a few ulp (its own exponential, extremes included), argmax index
-for index (ties, NaNs, infinities, rows of every length); autograd keeps the torch
-forms."""
+for index (ties, NaNs, infinities, rows of every length), a packed weight's rows (the
+tied embedding) as the plain weight's; autograd keeps the torch forms."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tokenmill.layers import native_linear
 from tokenmill.layers.activation import silu_and_mul
 from tokenmill.layers.native import native_row_ops
 from tokenmill.layers.norm import RMSNorm
@@ -90,6 +91,28 @@ def test_argmax_is_torchs(width):
         assert torch.equal(greedy(x[:, :1].contiguous()), torch.zeros(6, dtype=torch.int64))
         strided = x.t()[:1].t()  # not contiguous: torch's own
         assert torch.equal(greedy(strided), strided.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("out_features", [16, 45, 200])
+def test_packed_rows_are_the_plain_weights_rows(out_features):
+    if not native_linear.available():
+        pytest.skip("no native kernel")
+    weight = torch.randn(out_features, 24, generator=torch.Generator().manual_seed(1))
+    packed = native_linear.pack(weight)
+    ids = torch.tensor([0, out_features - 1, 7 % out_features, 3, 3])
+    with torch.inference_mode():
+        assert torch.equal(native_row_ops().packed_rows(packed, ids), weight[ids])
+        assert torch.equal(native_linear.NATIVE.embedding(_Tied(packed), ids), weight[ids])
+        assert native_row_ops().packed_rows(packed, ids[:0]).shape == (0, 24)
+    with pytest.raises(RuntimeError, match="is not in"):  # past the last block, negative
+        native_row_ops().packed_rows(packed, torch.tensor([packed.shape[0] * 16]))
+    with pytest.raises(RuntimeError, match="is not in"):
+        native_row_ops().packed_rows(packed, torch.tensor([-1]))
+
+
+class _Tied:  # what NativeLinearMethod.embedding reads of a layer
+    def __init__(self, packed: torch.Tensor) -> None:
+        self.native_weight = packed
 
 
 def test_autograd_keeps_the_torch_forms():

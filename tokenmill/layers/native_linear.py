@@ -23,7 +23,7 @@ import torch
 
 from tokenmill.layers import huge_pages
 from tokenmill.layers.linear_method import Linear, PlainLinearMethod
-from tokenmill.layers.native import build_extension
+from tokenmill.layers.native import build_extension, row_ops_for
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "f32_linear.cpp"
 # -fno-trapping-math: nothing reads the floating-point exception flags, and without it
@@ -185,7 +185,11 @@ class NativeLinearMethod(PlainLinearMethod):
 
     def embedding(self, layer: Linear, token_ids: torch.Tensor) -> torch.Tensor:
         # Row r is lane r % 16 of block r // 16: [..., in] gathered from the packed form.
-        return layer.native_weight[token_ids // LANES, :, token_ids % LANES]
+        packed = layer.native_weight
+        ops = row_ops_for(packed) if token_ids.dim() == 1 else None
+        if ops is not None and token_ids.dtype == torch.int64:
+            return ops.packed_rows(packed, token_ids.contiguous())
+        return packed[token_ids // LANES, :, token_ids % LANES]
 
     def checkpoint_weight(self, layer: Linear) -> torch.Tensor:
         if layer.weight.numel():

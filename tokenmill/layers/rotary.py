@@ -65,8 +65,12 @@ class RotaryEmbedding(torch.nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin for each token, shaped [T, 1, D/2] to broadcast over heads.
         Looked up once per step and shared by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
+        # index_select, and no cast where the tables already hold dtype: the fewest
+        # operators (each ~20 µs with the caches cold at a decode step's start).
+        cos, sin = self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        if cos.dtype != dtype:
+            cos, sin = cos.to(dtype), sin.to(dtype)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

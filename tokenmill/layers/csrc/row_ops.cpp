@@ -20,6 +20,11 @@
 //             maximum, then a scan for its first index, chunk by chunk. torch's argmax
 //             tracks indices through its reduction and took 160-250 µs for one row of
 //             a 151936-token vocabulary here, its amax 10-17 µs (layers/sampler.py).
+//   packed_rows  rows of a weight kept in the native kernel's packed form [blocks, in,
+//             lanes] (row r is lane r % lanes of block r / lanes): a tied LM head read
+//             as the token embedding. One call where the indexing took three operators
+//             (~0.15-0.3 ms of a one-row decode step, with the caches cold after the
+//             weights' stream: layers/native_linear.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -214,7 +219,33 @@ torch::Tensor argmax(torch::Tensor x) {
   return out;
 }
 
+torch::Tensor packed_rows(torch::Tensor packed, torch::Tensor ids) {
+  TORCH_CHECK(packed.dtype() == torch::kFloat32 && packed.dim() == 3 && packed.is_contiguous(),
+              "packed_rows takes a contiguous float32 packed weight [blocks, in, lanes]");
+  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(),
+              "packed_rows takes contiguous int64 row ids [T]");
+  const int64_t lanes = packed.size(2), width = packed.size(1);
+  const int64_t rows = packed.size(0) * lanes, count = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < count; ++t)
+    TORCH_CHECK(id[t] >= 0 && id[t] < rows, "packed_rows: row ", id[t], " is not in [0, ",
+                rows, ")");
+  auto out = torch::empty({count, width}, packed.options());
+  const float* w = packed.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, count, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* source = w + id[t] / lanes * width * lanes + id[t] % lanes;
+      float* target = o + t * width;
+      for (int64_t k = 0; k < width; ++k) target[k] = source[k * lanes];
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("packed_rows", &packed_rows,
+        "rows ids of a packed float32 weight [blocks, in, lanes] (row r: lane r % lanes)");
   m.def("argmax", &argmax, "each row's first index of its maximum (float32 [rows, n])");
   m.def("rms_norm", &rms_norm, "RMSNorm of each row of x (float32)");
   m.def("add_rms_norm", &add_rms_norm, "residual + delta and its RMSNorm (float32)");
