@@ -91,6 +91,17 @@ def test_argmax_is_torchs(width):
         assert torch.equal(greedy(x[:, :1].contiguous()), torch.zeros(6, dtype=torch.int64))
         strided = x.t()[:1].t()  # not contiguous: torch's own
         assert torch.equal(greedy(strided), strided.argmax(dim=-1))
+        if width >= 2**15:  # fewer rows than threads: each row scanned in pieces, merged
+            x[0, 7] = x[0, -9] = x[0].max() + 1  # a tie across pieces: the first
+            before = torch.get_num_threads()
+            try:
+                for threads in (2, 3):
+                    torch.set_num_threads(threads)
+                    for row in range(len(x)):
+                        one = x[row:row + 1]
+                        assert torch.equal(native_row_ops().argmax(one), one.argmax(dim=-1))
+            finally:
+                torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("out_features", [16, 45, 200])

@@ -20,6 +20,7 @@
 //             maximum, then a scan for its first index, chunk by chunk. torch's argmax
 //             tracks indices through its reduction and took 160-250 µs for one row of
 //             a 151936-token vocabulary here, its amax 10-17 µs (layers/sampler.py).
+//             Fewer long rows than threads are read in a piece per thread, merged.
 //   packed_rows  rows of a weight kept in the native kernel's packed form [blocks, in,
 //             lanes] (row r is lane r % lanes of block r / lanes): a tied LM head read
 //             as the token embedding. One call where the indexing took three operators
@@ -184,6 +185,43 @@ int64_t first_equal(const float* row, int64_t n, float value, bool nan) {
   return n;
 }
 
+// A run of a row's values: its maximum, whether it holds a NaN, and the first index of
+// its first NaN (if any) or else of its maximum.
+struct Found {
+  float top;
+  int nan;
+  int64_t first;
+};
+
+Found scan(const float* row, int64_t n) {
+  // kLanes running maxima (independent chains the compiler keeps in vectors), folded at
+  // the end; NaNs noted on the way.
+  constexpr int64_t kLanes = 32;
+  float tops[kLanes];
+  int nans[kLanes];
+  for (int64_t l = 0; l < kLanes; ++l) tops[l] = -INFINITY, nans[l] = 0;
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+#pragma omp simd
+    for (int64_t l = 0; l < kLanes; ++l) {
+      const float v = row[i + l];
+      tops[l] = v > tops[l] ? v : tops[l];
+      nans[l] |= v != v;
+    }
+  }
+  float top = -INFINITY;
+  int nan = 0;
+  for (; i < n; ++i) top = row[i] > top ? row[i] : top, nan |= row[i] != row[i];
+  for (int64_t l = 0; l < kLanes; ++l) top = tops[l] > top ? tops[l] : top, nan |= nans[l];
+  return {top, nan, first_equal(row, n, top, nan)};
+}
+
+// Rows this long, fewer than the threads, are scanned in one piece per thread: a
+// one-row step's 151936 logits, just written by the LM head's two threads and pushed
+// out of the caches by its weight stream, took ~250 us to read on one core, ~20 us
+// when in cache.
+constexpr int64_t kSplitLength = 1 << 15;
+
 torch::Tensor argmax(torch::Tensor x) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous() &&
               x.size(1) > 0, "argmax takes contiguous float32 [rows, n > 0]");
@@ -191,31 +229,36 @@ torch::Tensor argmax(torch::Tensor x) {
   auto out = torch::empty({rows}, x.options().dtype(torch::kInt64));
   const float* data = x.data_ptr<float>();
   int64_t* index = out.data_ptr<int64_t>();
-  at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const float* row = data + r * n;
-      // kLanes running maxima (independent chains the compiler keeps in vectors),
-      // folded at the end; NaNs noted on the way.
-      constexpr int64_t kLanes = 32;
-      float tops[kLanes];
-      int nans[kLanes];
-      for (int64_t l = 0; l < kLanes; ++l) tops[l] = -INFINITY, nans[l] = 0;
-      int64_t i = 0;
-      for (; i + kLanes <= n; i += kLanes) {
-#pragma omp simd
-        for (int64_t l = 0; l < kLanes; ++l) {
-          const float v = row[i + l];
-          tops[l] = v > tops[l] ? v : tops[l];
-          nans[l] |= v != v;
-        }
-      }
-      float top = -INFINITY;
-      int nan = 0;
-      for (; i < n; ++i) top = row[i] > top ? row[i] : top, nan |= row[i] != row[i];
-      for (int64_t l = 0; l < kLanes; ++l) top = tops[l] > top ? tops[l] : top, nan |= nans[l];
-      index[r] = first_equal(row, n, top, nan);
+  const int64_t threads = at::get_num_threads();
+  const int64_t pieces = rows < threads && n >= kSplitLength ? (threads + rows - 1) / rows : 1;
+  if (pieces == 1) {
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) index[r] = scan(data + r * n, n).first;
+    });
+    return out;
+  }
+  // Pieces of whole 32-value runs; a row's answer is its first piece with a NaN (when
+  // any has one), else its first piece holding the row's maximum.
+  const int64_t length = (n + pieces - 1) / pieces + 31 & ~int64_t{31};
+  std::vector<Found> found(rows * pieces);
+  at::parallel_for(0, rows * pieces, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / pieces, start = std::min(n, item % pieces * length);
+      const int64_t size = std::min(n, start + length) - start;
+      Found f = size > 0 ? scan(data + r * n + start, size) : Found{-INFINITY, 0, 0};
+      f.first += start;
+      found[item] = f;
     }
   });
+  for (int64_t r = 0; r < rows; ++r) {
+    const Found* f = found.data() + r * pieces;
+    float top = -INFINITY;
+    int nan = 0;
+    for (int64_t p = 0; p < pieces; ++p) top = std::max(top, f[p].top), nan |= f[p].nan;
+    int64_t p = 0;
+    while (p + 1 < pieces && (nan ? !f[p].nan : f[p].top != top)) ++p;
+    index[r] = f[p].first;
+  }
   return out;
 }
 
