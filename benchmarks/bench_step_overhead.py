@@ -1,0 +1,104 @@
+"""A decode step's time outside its weight streams: the engine's own work per step.
+
+One request at a time (--requests of them, each --prompt random tokens + --new-tokens
+greedy tokens) on the random Qwen2.5-0.5B shape (or --model), float32, the native
+kernel. Each decode step is timed whole (`LLMEngine.step`), and within it the compiled
+decoder stack's call (model/decode_stack.py) and the LM head (`compute_logits`); what is
+left is the engine's Python and the small torch operations around them (scheduling,
+inputs, metadata, embedding, sampling, detokenising, outputs), which run with the
+caches cold after each step's 2 GB weight stream. Reports the medians per request.
+
+    python benchmarks/bench_step_overhead.py [--requests 3] [--new-tokens 128]
+
+To compare revisions, run it from a worktree of each in turn (the kernels' builds are
+cached by source, so a revision with the same C++ reuses them):
+
+    git worktree add /tmp/base REV
+    PYTHONPATH=/tmp/base python benchmarks/bench_step_overhead.py
+    python benchmarks/bench_step_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from pathlib import Path
+
+import tokenmill
+from tokenmill import SamplingParams
+from tokenmill.bench.ceilings import host_description
+from tokenmill.engine.engine import LLMEngine
+
+DEFAULT_MODEL = Path.home() / ".cache" / "tokenmill" / "models" / "qwen2.5-0.5b-random"
+
+
+class Timed:
+    """Wraps obj.name, adding each call's seconds to `spent`."""
+
+    def __init__(self, obj, name: str) -> None:
+        self.call, self.spent = getattr(obj, name), 0.0
+        setattr(obj, name, self)
+
+    def __call__(self, *args):
+        started = time.perf_counter()
+        try:
+            return self.call(*args)
+        finally:
+            self.spent += time.perf_counter() - started
+
+
+class TimedKernel:
+    """The stack's compiled object with its `run` timed (a pybind object: wrapped whole)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.spent = kernel, 0.0
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernel, name)
+
+    def run(self, *args):
+        started = time.perf_counter()
+        try:
+            return self.kernel.run(*args)
+        finally:
+            self.spent += time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    args = parser.parse_args()
+    print(host_description(), f"tokenmill from {Path(tokenmill.__file__).parent}", sep="\n")
+    engine = LLMEngine.from_kwargs(args.model, progress=False, cpu_blas="native",
+                                   max_model_len=args.prompt + args.new_tokens + 16)
+    model = engine.executor.worker.runner.model
+    if model.decode_stack is None:
+        raise SystemExit("this model or host takes no compiled decode stack")
+    stack = model.decode_stack.kernel = TimedKernel(model.decode_stack.kernel)
+    head = Timed(model, "compute_logits")
+    rng = random.Random(0)
+    vocab = engine.arch.vocab_size
+    print("request: median ms per decode step: step = stack + LM head + the rest")
+    for index in range(args.requests):
+        engine.add_request(str(index), [rng.randrange(10, vocab - 1) for _ in range(args.prompt)],
+                           SamplingParams(max_tokens=args.new_tokens, temperature=0,
+                                          ignore_eos=True))
+        steps: list[tuple[float, float, float]] = []
+        while engine.has_unfinished_requests():
+            stack.spent = head.spent = 0.0
+            started = time.perf_counter()
+            engine.step()
+            if stack.spent:  # a decode step (the prefill takes the layers' path)
+                steps.append((time.perf_counter() - started, stack.spent, head.spent))
+        step, kernel, logits = (statistics.median(column) * 1e3 for column in zip(*steps, strict=True))
+        rest = statistics.median(total - s - h for total, s, h in steps) * 1e3
+        print(f"{index}: {step:.2f} = {kernel:.2f} + {logits:.2f} + {rest:.3f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
