@@ -218,8 +218,8 @@ Found scan(const float* row, int64_t n) {
 
 // Rows this long, fewer than the threads, are scanned in one piece per thread: a
 // one-row step's 151936 logits, just written by the LM head's two threads and pushed
-// out of the caches by its weight stream, took ~250 us to read on one core, ~20 us
-// when in cache.
+// out of the caches by its weight stream, took a median 131-165 us to scan on one core,
+// 107-136 in two pieces (18-19 and 12-15 us in cache; bench_argmax.py --after-head).
 constexpr int64_t kSplitLength = 1 << 15;
 
 torch::Tensor argmax(torch::Tensor x) {
@@ -239,7 +239,7 @@ torch::Tensor argmax(torch::Tensor x) {
   }
   // Pieces of whole 32-value runs; a row's answer is its first piece with a NaN (when
   // any has one), else its first piece holding the row's maximum.
-  const int64_t length = (n + pieces - 1) / pieces + 31 & ~int64_t{31};
+  const int64_t length = ((n + pieces - 1) / pieces + 31) & ~int64_t{31};
   std::vector<Found> found(rows * pieces);
   at::parallel_for(0, rows * pieces, 1, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
