@@ -118,8 +118,7 @@ class PagedAttention(AttentionBackend):
             # weight stream, with the caches cold, its few ops took ~0.1 ms of a
             # one-row step. _decode makes it from the counts if it is ever wanted.
             if self.wants_decode_mask():
-                key_pos = torch.arange(width * layout.block_size, device=device)
-                mask = (key_pos[None, :] < keys[:, None])[:, None, None, :]
+                mask = one_token_mask(keys, width * layout.block_size)
         else:
             keys = None
             contexts = torch.tensor(context_list, dtype=torch.int64, device=device)
@@ -201,13 +200,19 @@ class PagedAttention(AttentionBackend):
             grid.index_copy_(0, metadata.decode_query_index, q)
             q = grid
         mask = metadata.decode_mask
-        if mask is None:  # one-token rows: each sees its first decode_lengths keys
-            key_pos = torch.arange(keys.shape[1], device=keys.device)
-            mask = (key_pos[None, :] < metadata.decode_lengths[:, None])[:, None, None, :]
+        if mask is None:  # one-token rows whose backend read key counts instead
+            mask = one_token_mask(metadata.decode_lengths, keys.shape[1])
         o = grouped_decode_attention(q, keys, values, mask, query_len, scale)
         if query_len == 1:
             return o
         return o.index_select(0, metadata.decode_query_index)
+
+
+def one_token_mask(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """The decode mask [D, 1, 1, width] of one-token rows, row d seeing its first
+    keys[d] positions."""
+    positions = torch.arange(width, device=keys.device)
+    return (positions[None, :] < keys[:, None])[:, None, None, :]
 
 
 def group_mask(mask: torch.Tensor, group: int) -> torch.Tensor:
