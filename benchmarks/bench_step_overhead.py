@@ -9,6 +9,7 @@ inputs, metadata, embedding, sampling, detokenising, outputs), which run with th
 caches cold after each step's 2 GB weight stream. Reports the medians per request.
 
     python benchmarks/bench_step_overhead.py [--requests 3] [--new-tokens 128]
+    python benchmarks/bench_step_overhead.py --no-weight-arena   # weights one by one
 
 To compare revisions, run it from a worktree of each in turn (the kernels' builds are
 cached by source, so a revision with the same C++ reuses them):
@@ -72,10 +73,12 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--weight-arena", action=argparse.BooleanOptionalAction, default=True,
+                        help="the engine's weight arena (layers/weight_arena.py)")
     args = parser.parse_args()
     print(host_description(), f"tokenmill from {Path(tokenmill.__file__).parent}", sep="\n")
     engine = LLMEngine.from_kwargs(args.model, progress=False, cpu_blas="native",
-                                   max_model_len=args.prompt + args.new_tokens + 16)
+                                   weight_arena=args.weight_arena, max_model_len=args.prompt + args.new_tokens + 16)
     model = engine.executor.worker.runner.model
     if model.decode_stack is None:
         raise SystemExit("this model or host takes no compiled decode stack")

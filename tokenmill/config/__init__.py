@@ -137,6 +137,10 @@ class ModelConfig:
     # (layers/huge_pages.py): a decode step streams them faster. Nothing changes where
     # the system's THP setting is `never` or off Linux.
     huge_pages: bool = True
+    # Lay out the weights the native kernel packs in place in one allocation aligned to
+    # 2 MB (layers/weight_arena.py), so that nearly all of them are in huge pages, not
+    # the ends and heap gaps of weights allocated one by one.
+    weight_arena: bool = True
     # Keep the memory a step frees for the next step instead of handing it back to the
     # kernel and faulting it in again (glibc's malloc thresholds, layers/allocator.py).
     retain_freed_memory: bool = True
@@ -167,6 +171,8 @@ class ModelConfig:
                  "None or an int >= 0", rows)
         _require(type(self.huge_pages) is bool, "huge_pages", "True or False",
                  self.huge_pages)
+        _require(type(self.weight_arena) is bool, "weight_arena", "True or False",
+                 self.weight_arena)
         _require(type(self.retain_freed_memory) is bool, "retain_freed_memory",
                  "True or False", self.retain_freed_memory)
         _require(self.reasoning_parser in REASONING_PARSERS, "reasoning_parser",

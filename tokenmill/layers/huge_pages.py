@@ -80,5 +80,8 @@ def empty_like(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def advise_module(model: nn.Module) -> int:
-    """Advise every parameter and buffer of `model`; how many the system took."""
-    return sum(advise(t) for t in (*model.parameters(), *model.buffers()))
+    """Advise the storage of every parameter and buffer of `model` (once each: the
+    weight arena's slots share one); how many the system took."""
+    storages = {t.untyped_storage().data_ptr(): t for t in (*model.parameters(),
+                                                             *model.buffers())}
+    return sum(advise(t) for t in storages.values())

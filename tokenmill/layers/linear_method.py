@@ -62,6 +62,11 @@ class LinearMethod(ABC):
         """Called once every checkpoint tensor is loaded (the weights sit on their device)."""
         return None
 
+    def arena_weight(self, layer: Linear) -> bool:
+        """Whether the weight as created is the memory the kernel keeps (packed in
+        place), so it may be a slot of the weight arena (layers/weight_arena.py)."""
+        return False
+
     def takes_blocks(self, tensor: BlockTensor | SavedQuantTensor) -> bool:
         """Whether load_weight takes this block-quantized (GGUF) or saved-quantized
         tensor as it is (otherwise the layer dequantizes it first)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.layers import huge_pages
+from tokenmill.layers import huge_pages, weight_arena
 from tokenmill.layers.linear_method import Linear, PlainLinearMethod
 from tokenmill.layers.native import build_extension, row_ops_for
 
@@ -67,12 +67,14 @@ IN_PLACE_CHUNK_BYTES = 4 * 2**20
 
 def packs_in_place(weight: torch.Tensor) -> bool:
     """Whether `pack_in_place` takes `weight`: whole blocks of 16 channels, contiguous,
-    and its storage holds nothing else (a freshly loaded parameter; the plain layout is
-    gone afterwards, so a caller must not read the weight as [out, in] again)."""
+    and its bytes its own: its storage holds nothing else, or it is a slot of the weight
+    arena (a freshly loaded parameter; the plain layout is gone afterwards, so a caller
+    must not read the weight as [out, in] again)."""
     storage = weight.untyped_storage()
     return (weight.shape[0] % LANES == 0 and weight.is_contiguous()
-            and weight.storage_offset() == 0
-            and storage.nbytes() == weight.numel() * weight.element_size())
+            and (weight_arena.is_slot(weight) or (
+                weight.storage_offset() == 0
+                and storage.nbytes() == weight.numel() * weight.element_size())))
 
 
 def pack_in_place(weight: torch.Tensor) -> torch.Tensor:
@@ -174,6 +176,9 @@ class NativeLinearMethod(PlainLinearMethod):
         # One copy of the weight from here on: the packed one (a tied head's embedding
         # reads it too, see `embedding`).
         layer.weight.data = layer.weight.data.new_empty(0)
+
+    def arena_weight(self, layer: Linear) -> bool:
+        return layer.out_features % LANES == 0  # packed in place (`packs_in_place`)
 
     def apply(self, layer: Linear, x: torch.Tensor) -> torch.Tensor:
         return linear(x, layer.native_weight, layer.native_bias, layer.out_features)

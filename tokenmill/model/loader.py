@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from tokenmill.layers import huge_pages
+from tokenmill.layers import huge_pages, weight_arena
 from tokenmill.layers.block_tensor import BlockTensor
 from tokenmill.layers.linear import LinearSelector, bind_linear_methods, finalize_linear_methods
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives, bind_collectives
@@ -202,6 +202,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "auto",
         bind_linear_methods(model, select_linear or ProductPolicy(torch_device).select)
     bind_collectives(model, group)
     model = model.to_empty(device=torch_device).to(torch_dtype)
+    weight_arena.gather(model)  # the packed-in-place weights in one allocation (when asked)
     huge_pages.advise_module(model)  # before the checkpoint is written in (when asked)
     # Rotary tables stay in float32 whatever the weights' dtype.
     model.model.rotary.float()
