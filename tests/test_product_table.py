@@ -9,7 +9,7 @@ import torch
 import tokenmill.attention.prefill_native as prefill_native
 import tokenmill.layers.product_table as table
 from tokenmill.cli import main
-from tokenmill.layers import native_linear
+from tokenmill.layers import fetch_distance, native_linear
 from tokenmill.layers.products import (
     NativeProducts,
     NumpyProducts,
@@ -141,6 +141,7 @@ def test_the_probe_runs_once_and_auto_follows_it(tmp_path, monkeypatch):
 def test_tune_measures_a_models_shapes_and_reports(tmp_path, monkeypatch, capsys, llama_dir):
     monkeypatch.setattr(table, "CACHE", tmp_path)
     monkeypatch.setattr(prefill_native, "CACHE", tmp_path)  # nor the prefill kernel's limit
+    monkeypatch.setattr(fetch_distance, "CACHE", tmp_path)  # nor the fetch distance
     assert main(["tune", "--report", "--threads", "1"]) == 1  # nothing measured yet
     assert main(["tune", "--model", str(llama_dir), "--rows", "1,4", "--repeats", "1",
                  "--threads", "1", "--out", str(tmp_path / "plot")]) == 0
@@ -152,11 +153,17 @@ def test_tune_measures_a_models_shapes_and_reports(tmp_path, monkeypatch, capsys
     tiles = table.read_decode_tiles(1)
     if native_linear.available() and native_linear.max_decode_rows() > 0:
         assert tiles["source"] == "tune" and "native decode tiles (tune, 8 rows)" in out
+    fetch = fetch_distance.read(1)
+    if native_linear.available():
+        assert fetch["stream_ahead"] in fetch_distance.CANDIDATES
+        assert "native fetch distance (tune, 1 row" in out
     assert main(["tune", "--report", "--threads", "1"]) == 0
     report = capsys.readouterr().out
     assert f"choice (smallest geometric-mean slowdown): {stored['choice']}" in report
     if tiles is not None:
         assert "native decode tiles (tune, 8 rows)" in report
+    if fetch is not None:
+        assert "native fetch distance (tune, 1 row" in report
     assert main(["tune", "--rows", "0,4"]) == 2
     assert main(["tune", "--model", str(tmp_path / "missing")]) == 2
 

@@ -10,7 +10,8 @@ memory as in the model's step. The table is stored for this CPU, torch
 version and thread count; the choice is the candidate with the smallest
 geometric-mean slowdown over the classes, and the fastest per class is reported
 beside it; first, the native kernel's decode tiles against its wide tile at 8 rows
-(layers/product_table.py). `--report` prints what is stored (the start-up probe's or a
+(layers/product_table.py), and how far ahead its few-row tiles fetch their weights at
+one row (layers/fetch_distance.py). `--report` prints what is stored (the start-up probe's or a
 tune's) and plots it, and the limit the paged-native backend measured at start-up for its causal
 prefill kernel (attention/prefill_native.py). `--scheduler` times the scheduler knobs
 instead (bench/tune_scheduler.py).
@@ -32,7 +33,7 @@ from tokenmill.bench.tune_scheduler import (
     parse_values,
 )
 from tokenmill.config import DEFAULT_MODEL_DIR
-from tokenmill.layers import native_linear
+from tokenmill.layers import fetch_distance, native_linear
 from tokenmill.layers.linear import Linear
 from tokenmill.layers.product_table import (
     choose,
@@ -112,12 +113,20 @@ def cmd_tune(args: argparse.Namespace) -> int:
         native_linear.set_decode_rows(tiles["decode_rows"])
         print(format_decode_tiles(tiles))
         print(f"stored in {decode_tiles_path(threads)}")
+    layer_copies, head_copies = (cold_copies(4 * sum(o * i for o, i in part), most)
+                                 for part, most in ((shapes[:-1], layers), (shapes[-1:], 4)))
+    if native_linear.available():
+        # Then how far ahead its few-row tiles fetch their weights, from memory.
+        fetch = fetch_distance.write(threads, fetch_distance.measure(
+            shapes[:-1] * layer_copies + shapes[-1:], threads, repeats=args.repeats),
+            shape_name)
+        native_linear.set_stream_ahead(fetch["stream_ahead"])
+        print(fetch_distance.format_entry(fetch))
+        print(f"stored in {fetch_distance.table_path(threads)}")
     # The weights from memory, as in the model's decode step (one layer's weights can sit
     # in a large last-level cache: on a host with 480 MB of it, one layer's products
     # timed 1.4x faster than the same products in a pass over the whole model). The LM
     # head, one matrix, takes up to 4 copies: enough to leave any cache measured so far.
-    layer_copies, head_copies = (cold_copies(4 * sum(o * i for o, i in part), most)
-                                 for part, most in ((shapes[:-1], layers), (shapes[-1:], 4)))
     print(f"each pass through {layer_copies} copies of a layer's weights and {head_copies} "
           f"of the LM head's (beyond the {last_level_cache_bytes() / 2**20:.0f} MB "
           "last-level cache)")
@@ -171,6 +180,7 @@ def report(threads: int, out: Path | None) -> int:
     entry = read_table(threads)
     prefill = prefill_native.stored_tables(threads)
     tiles = read_decode_tiles(threads)
+    fetch = fetch_distance.read(threads) if native_linear.available() else None
     if entry is None and not prefill and tiles is None:
         print(f"nothing measured on this host at {threads} threads yet: run `tokenmill tune` "
               f"(or start an engine: --cpu-blas auto probes)", file=sys.stderr)
@@ -183,6 +193,9 @@ def report(threads: int, out: Path | None) -> int:
     if tiles is not None:
         print(format_decode_tiles(tiles))
         print(f"from {decode_tiles_path(threads)}")
+    if fetch is not None:
+        print(fetch_distance.format_entry(fetch))
+        print(f"from {fetch_distance.table_path(threads)}")
     # The attention backend's own measured choice (paged-native, at engine start-up).
     for geometry, table in prefill.items():
         print("\n" + prefill_native.format_table(geometry, table))

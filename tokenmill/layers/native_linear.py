@@ -148,6 +148,21 @@ def decode_rows() -> int:
     return library().decode_rows()
 
 
+def built_stream_ahead() -> int:
+    """The build's fetch distance (TM_STREAM_AHEAD, columns)."""
+    return library().built_stream_ahead
+
+
+def set_stream_ahead(columns: int) -> None:
+    """How many columns ahead a product of a few rows fetches its own weights (0:
+    none); the best distance differs by host (layers/fetch_distance.py measures it)."""
+    library().set_stream_ahead(columns)
+
+
+def stream_ahead() -> int:
+    return library().stream_ahead()
+
+
 def fuses_silu_mul(out_features: int) -> bool:
     """Whether the fused gate/up activation takes a [gate | up] layer this wide: both
     halves whole blocks of 16 channels."""

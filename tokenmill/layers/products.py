@@ -22,7 +22,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from tokenmill.layers import cpu_blas, native_linear
+from tokenmill.layers import cpu_blas, fetch_distance, native_linear
 from tokenmill.layers.linear import Linear, LinearSelector
 from tokenmill.layers.linear_method import PLAIN, TRANSPOSED, LinearMethod
 from tokenmill.layers.product_table import auto_choice, native_decode_rows
@@ -104,8 +104,10 @@ class NativeProducts(ProductPolicy):
         return native_linear.packed_bytes(layer, dtype)
 
     def configure_threads(self, num_threads: int) -> None:
-        # Decode tiles or the wide tile at a decode step's rows: measured on this host.
+        # Decode tiles or the wide tile at a decode step's rows, and how far ahead a few
+        # rows' weights are fetched: measured on this host.
         native_linear.set_decode_rows(native_decode_rows(num_threads))
+        native_linear.set_stream_ahead(fetch_distance.native_stream_ahead(num_threads))
 
 
 class NumpyProducts(ProductPolicy):

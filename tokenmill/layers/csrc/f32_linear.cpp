@@ -386,6 +386,12 @@ void set_decode_rows(int64_t rows) {
   decode_rows = rows;
 }
 
+void set_stream_ahead(int64_t columns) {
+  TORCH_CHECK(columns >= 0 && columns <= kMaxStreamAhead, "stream ahead must be 0 .. ",
+              kMaxStreamAhead, " columns, got ", columns);
+  stream_ahead = columns;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -399,6 +405,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stolen_items", [] { return stolen_items.load(); },
         "work items a thread took from another's run since the library loaded");
   m.attr("max_decode_rows") = kDecodeRows;
+  m.def("set_stream_ahead", &set_stream_ahead,
+        "columns ahead a lone row tile fetches its own weights (0: none)");
+  m.def("stream_ahead", [] { return stream_ahead; }, "the current fetch distance");
+  m.attr("built_stream_ahead") = TM_STREAM_AHEAD;
   m.def("entry_points", [] {
     const tokenmill::entry::Product linear = &f32_linear_into;
     const tokenmill::entry::Product silu_mul = &f32_linear_silu_mul_into;

@@ -132,10 +132,14 @@ constexpr int64_t kPanel = TM_PANEL;
 // How far ahead (in columns: one 64-byte line of each block's stream) a chunk's lone
 // row tile (a decode step's few rows) fetches its own weights: a decode step's products
 // 1.05-1.1x at 4-32 rows on a Zen 4 host, and the wide tile's 8 rows 1.14x on an Intel
-// one (docs/BENCHMARKS.md); 0 builds the tile without it.
+// one, against no fetch (docs/BENCHMARKS.md); 0: none. The build's distance until the
+// engine sets the one `tokenmill tune` measured fastest on this host (stream_ahead):
+// on an Intel host 32-48 read a one-row step's products 1.03x faster than 64.
 #ifndef TM_STREAM_AHEAD
 #define TM_STREAM_AHEAD 64
 #endif
+int64_t stream_ahead = TM_STREAM_AHEAD;
+constexpr int64_t kMaxStreamAhead = 1024;
 // Products of this many rows or more first repack x tile by tile (pack_rows), so that
 // a tile reads its rows' column k from one line; fewer rows (a decode step's, bound by
 // the weights' memory) read x in place. An Intel host's 32-512-row steps 1.5-4%.
@@ -383,11 +387,11 @@ void rows_tail(const Problem& p, const Slots& s, const float* x, const Sink& sin
 }
 
 // What row tile t of `tiles` over a chunk of `columns` fetches: a lone tile its own
-// streams TM_STREAM_AHEAD columns ahead; more tiles their shares of the next chunk.
+// streams stream_ahead columns ahead; more tiles their shares of the next chunk.
 Fetch plan(const Streams& next, int64_t tiles, int64_t t, int64_t columns) {
   if (tiles == 1) {
     Fetch lone;
-    lone.ahead = TM_STREAM_AHEAD;
+    lone.ahead = stream_ahead;
     return lone;
   }
   if (!TM_PREFETCH_NEXT || next.lines == 0) return Fetch{};
