@@ -78,6 +78,10 @@ class SparseMoE(nn.Module):
         self.expert_parallel = expert_slots is not None
         self.experts = nn.ModuleList(Expert(hidden_size, intermediate_size)
                                      for _ in (expert_slots or range(num_experts)))
+        # Expert replication swaps a routed expert's weights for another copy's
+        # (load_flat_weights): kept out of the weight arena, whose slots would outlive
+        # them (layers/weight_arena.py).
+        self.experts.reloads_weights = True
         self.set_slots(tuple(expert_slots or range(num_experts)))
         # Replicated experts: the copy (rank) each pair goes to (dist/expert_replicas.py).
         self.replicas = None

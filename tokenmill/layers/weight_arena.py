@@ -10,7 +10,10 @@ byte but those of the last 2 MB is in huge pages: the decoder stack's products o
 one-row step 1.05x faster (docs/BENCHMARKS.md).
 
 `gather(model)` runs on a freshly materialised model, before the checkpoint is
-written: every Linear whose method packs its weight in place (`arena_weight`) gets a
+written: every Linear whose method packs its weight in place (`arena_weight`), but
+those under a module that may replace them (`reloads_weights`: a MoE layer's routed
+experts, which expert replication moves between ranks, so that a slot would outlive
+its weight), gets a
 parameter that is a slot of one arena (per dtype), the layers in the model's order,
 each slot 64-byte aligned. The memory the separate weights had was never written, so
 nothing is copied. A slot is marked (`is_slot`): the method packs it in place as it
@@ -67,10 +70,15 @@ def gather(model: nn.Module) -> int:
         return 0
     from tokenmill.layers.linear import Linear  # linear imports the methods, they this
 
+    # Layers whose weights may be replaced later (an expert copy moved between ranks):
+    # an arena's slot cannot be freed alone, so they keep allocations of their own.
+    replaced = {id(sub) for module in model.modules()
+                if getattr(module, "reloads_weights", False) for sub in module.modules()}
     weights: dict[int, nn.Parameter] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (isinstance(module, Linear) and isinstance(weight, nn.Parameter)
+        if (isinstance(module, Linear) and id(module) not in replaced
+                and isinstance(weight, nn.Parameter)
                 and weight.device.type == "cpu" and weight.is_contiguous()
                 and module.method.arena_weight(module)):
             weights.setdefault(id(weight), weight)  # a tied weight once
