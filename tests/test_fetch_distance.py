@@ -65,6 +65,12 @@ def test_a_stored_distance_is_taken_by_the_engine_for_its_build_only(tmp_path, m
         path = fetch_distance.table_path(2)
         path.write_text(path.read_text().replace(native_linear.build_name(), "older"))
         assert fetch_distance.native_stream_ahead(2) == built  # another build's: not taken
+        for absurd in (5000, -1, 16.0, "16"):  # a hand-edited file: not taken either
+            fetch_distance.write(2, {16: 1.0, built: 2.0}, "test shape")
+            path.write_text(path.read_text().replace('"stream_ahead": 16',
+                                                     f'"stream_ahead": {absurd!r}'.replace("'", '"')))
+            assert fetch_distance.read(2) is None
+            assert fetch_distance.native_stream_ahead(2) == built
         monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "0")
         fetch_distance.write(2, {16: 1.0, built: 2.0}, "test shape")
         assert fetch_distance.native_stream_ahead(2) == built  # the suite's switch

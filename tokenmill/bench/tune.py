@@ -11,9 +11,9 @@ version and thread count; the choice is the candidate with the smallest
 geometric-mean slowdown over the classes, and the fastest per class is reported
 beside it; first, the native kernel's decode tiles against its wide tile at 8 rows
 (layers/product_table.py), and how far ahead its few-row tiles fetch their weights at
-one row (layers/fetch_distance.py). `--report` prints what is stored (the start-up probe's or a
-tune's) and plots it, and the limit the paged-native backend measured at start-up for its causal
-prefill kernel (attention/prefill_native.py). `--scheduler` times the scheduler knobs
+one row (layers/fetch_distance.py). `--report` prints what is stored (the start-up
+probe's or a tune's) and plots it, and the limit the paged-native backend measured at
+start-up for its causal prefill kernel (attention/prefill_native.py). `--scheduler` times the scheduler knobs
 instead (bench/tune_scheduler.py).
 """
 

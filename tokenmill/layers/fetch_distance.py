@@ -3,9 +3,9 @@
 A product of a few rows (a decode step's) streams its weights from memory, each of a
 row tile's block streams fetched `stream_ahead` columns (64-byte lines) ahead of the
 column it multiplies (csrc/f32_tiles.h). The build's distance, 64, was measured
-against no fetch; on an Intel AVX-512 host 48 read a one-row step's products 1.03x
-faster and a served one-row step ran 1.05x faster (docs/BENCHMARKS.md), and which
-distance wins depends on the memory's latency and the cores' fill buffers.
+against no fetch; on an Intel AVX-512 host 16-48 columns read a one-row step's products
+1.03-1.05x faster and ran its whole step 1.03-1.05x faster (docs/BENCHMARKS.md), and
+which distance wins depends on the memory's latency and the cores' fill buffers.
 `tokenmill tune` times one-row passes over the model's products, from memory, at each
 candidate distance, and stores the fastest for this host, kernel build and thread
 count; an engine on the native kernel takes it at start-up (`native_stream_ahead`),
@@ -14,8 +14,6 @@ the build's where nothing is stored or TOKENMILL_AUTO_TUNE=0.
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 import os
 from pathlib import Path
@@ -23,16 +21,8 @@ from pathlib import Path
 import torch
 
 from tokenmill.layers import native_linear
-from tokenmill.layers.product_table import (
-    candidate_threads,
-    host_key,
-    one_pass,
-    read_json,
-    write_json,
-)
+from tokenmill.layers.product_table import host_key, read_json, time_native_settings, write_json
 from tokenmill.layers.timing import CACHE
-
-logger = logging.getLogger(__name__)
 
 CANDIDATES = (0, 16, 32, 48, 64, 96, 128)  # columns; 0: no fetch
 ROWS = 1  # a single stream's decode step: its products' time is the weights' stream
@@ -50,30 +40,14 @@ def choose(seconds: dict[int, float], built: int) -> int:
     return fastest if seconds[fastest] < MARGIN * seconds.get(built, math.inf) else built
 
 
-@torch.inference_mode()
 def measure(shapes: list[tuple[int, int]], threads: int, copies: int = 1,
             repeats: int = 5) -> dict[int, float]:
     """Seconds for one pass of native products over `copies` copies of `shapes` ([out,
     in] weights) at one row, per candidate distance, the candidates alternating pass by
     pass; the fastest of `repeats` passes each after a warm-up."""
-    generator = torch.Generator().manual_seed(0)
-    weights = [native_linear.pack(torch.randn(out, inp, generator=generator) * 0.02)
-               for _ in range(copies) for out, inp in shapes]
-    xs = [torch.randn(ROWS, w.shape[1], generator=generator) for w in weights]
-    functions = [functools.partial(native_linear.linear, packed=w, bias=None,
-                                   out_features=w.shape[0] * native_linear.LANES)
-                 for w in weights]
-    seconds: dict[int, list[float]] = {d: [] for d in CANDIDATES}
-    before = native_linear.stream_ahead()
-    try:
-        with candidate_threads(threads):
-            for _ in range(repeats + 1):  # the first round warms up
-                for distance in CANDIDATES:
-                    native_linear.set_stream_ahead(distance)
-                    seconds[distance].append(one_pass(functions, xs))
-    finally:
-        native_linear.set_stream_ahead(before)
-    return {d: min(times[1:]) for d, times in seconds.items()}
+    return time_native_settings(shapes, ROWS, threads, CANDIDATES,
+                                native_linear.set_stream_ahead, native_linear.stream_ahead,
+                                repeats, copies)
 
 
 def write(threads: int, seconds: dict[int, float], shape: str) -> dict:
@@ -87,11 +61,14 @@ def write(threads: int, seconds: dict[int, float], shape: str) -> dict:
 
 
 def read(threads: int) -> dict | None:
-    """The stored measurement if this build of the kernel made it."""
+    """The stored measurement if this build of the kernel made it (and its choice is
+    one a measurement can make: a candidate or the build's)."""
     entry = read_json(table_path(threads))
     if entry is None or entry.get("kernel") != native_linear.build_name():
         return None
-    return entry if isinstance(entry.get("stream_ahead"), int) else None
+    choice = entry.get("stream_ahead")
+    choices = {*CANDIDATES, native_linear.built_stream_ahead()}
+    return entry if type(choice) is int and choice in choices else None
 
 
 def native_stream_ahead(threads: int | None = None) -> int:

@@ -31,6 +31,8 @@ PAGE = 4096
 MIN_BYTES = 2 * 2**20  # one huge page: smaller tensors cannot hold one
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("huge_pages", default=False)
+# Whether the loader lays the natively packed weights out in one arena (weight_arena.py).
+_ARENA: contextvars.ContextVar[bool] = contextvars.ContextVar("weight_arena", default=False)
 
 
 @functools.cache
@@ -48,13 +50,19 @@ def _madvise():
 
 
 @contextlib.contextmanager
-def for_weights(enabled: bool) -> Iterator[None]:
-    """Inside, `advise` asks for huge pages (when `enabled`)."""
-    token = _ENABLED.set(enabled)
+def for_weights(enabled: bool, arena: bool = False) -> Iterator[None]:
+    """Inside, `advise` asks for huge pages (when `enabled`), and the loader lays the
+    weights a kernel packs in place out in one arena (when `arena`: weight_arena.py)."""
+    tokens = _ENABLED.set(enabled), _ARENA.set(arena)
     try:
         yield
     finally:
-        _ENABLED.reset(token)
+        _ARENA.reset(tokens[1])
+        _ENABLED.reset(tokens[0])
+
+
+def arena_asked() -> bool:
+    return _ARENA.get()
 
 
 def advise(tensor: torch.Tensor) -> bool:

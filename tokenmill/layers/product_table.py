@@ -230,30 +230,43 @@ def decode_tiles_path(threads: int) -> Path:
 
 
 @torch.inference_mode()
+def time_native_settings(shapes: list[tuple[int, int]], rows: int, threads: int,
+                         settings: tuple[int, ...], apply: Callable[[int], None],
+                         current: Callable[[], int], repeats: int,
+                         copies: int = 1) -> dict[int, float]:
+    """Seconds for one pass of native products over `copies` copies of `shapes` ([out,
+    in] weights) at `rows` rows, per setting of the kernel (`apply(setting)` before its
+    pass), the settings alternating pass by pass: the fastest of `repeats` passes each
+    after a warm-up round. The kernel's setting (`current()`) is restored after."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [native_linear.pack(torch.randn(out, inp, generator=generator) * 0.02)
+               for _ in range(copies) for out, inp in shapes]
+    xs = [torch.randn(rows, w.shape[1], generator=generator) for w in weights]
+    functions = [functools.partial(native_linear.linear, packed=w, bias=None,
+                                   out_features=w.shape[0] * native_linear.LANES)
+                 for w in weights]
+    seconds: dict[int, list[float]] = {setting: [] for setting in settings}
+    before = current()
+    try:
+        with candidate_threads(threads):
+            for _ in range(repeats + 1):  # the first round warms up
+                for setting in settings:
+                    apply(setting)
+                    seconds[setting].append(one_pass(functions, xs))
+    finally:
+        apply(before)
+    return {setting: min(times[1:]) for setting, times in seconds.items()}
+
+
 def measure_decode_tiles(shapes: list[tuple[int, int]], threads: int,
                          repeats: int = 7) -> dict[int, float]:
     """Seconds for one pass of native products over `shapes` at DECODE_TILE_ROWS rows,
     with the decode tiles up to the build's limit and with none (0), the two alternating
     pass by pass; the fastest pass of each."""
-    generator = torch.Generator().manual_seed(0)
-    weights = [native_linear.pack(torch.randn(out, inp, generator=generator) * 0.02)
-               for out, inp in shapes]
-    xs = [torch.randn(DECODE_TILE_ROWS, w.shape[1], generator=generator) for w in weights]
-    functions = [functools.partial(native_linear.linear, packed=w, bias=None,
-                                   out_features=w.shape[0] * native_linear.LANES)
-                 for w in weights]
-    limits = (native_linear.max_decode_rows(), 0)
-    seconds: dict[int, list[float]] = {limit: [] for limit in limits}
-    before = native_linear.decode_rows()
-    try:
-        with candidate_threads(threads):
-            for _ in range(repeats + 1):  # the first round warms up
-                for limit in limits:
-                    native_linear.set_decode_rows(limit)
-                    seconds[limit].append(one_pass(functions, xs))
-    finally:
-        native_linear.set_decode_rows(before)
-    return {limit: min(times[1:]) for limit, times in seconds.items()}
+    return time_native_settings(shapes, DECODE_TILE_ROWS, threads,
+                                (native_linear.max_decode_rows(), 0),
+                                native_linear.set_decode_rows, native_linear.decode_rows,
+                                repeats)
 
 
 def choose_decode_rows(seconds: dict[int, float]) -> int:

@@ -3,28 +3,23 @@
 Linux backs memory with a huge page only where a whole aligned 2 MB range lies inside
 one mapping that asked for it (layers/huge_pages.py). A weight allocated on its own
 sits in a mapping of its own size or in the allocator's heap among small tensors: the
-0.5B shape's QKV, o and down projections (3-17 MB each) were 75% in huge pages, the
-rest in 4 KB pages at their ends and between them, and a 3 MB projection streamed at
-0.7 of the LM head's rate. In one allocation whose start is aligned to 2 MB, every
-byte but those of the last 2 MB is in huge pages: the decoder stack's products of a
-one-row step 1.05x faster (docs/BENCHMARKS.md).
+0.5B shape's QKV, o and down projections (3-17 MB each) were 70-78% in huge pages,
+the rest in 4 KB pages at their ends and between them, and streamed slower than the
+LM head. In one allocation whose start is aligned to 2 MB, every byte but those of
+the last 2 MB is in huge pages: the decoder stack of a one-row step 1.03-1.04x faster
+(docs/BENCHMARKS.md).
 
 `gather(model)` runs on a freshly materialised model, before the checkpoint is
 written: every Linear whose method packs its weight in place (`arena_weight`), but
 those under a module that may replace them (`reloads_weights`: a MoE layer's routed
 experts, which expert replication moves between ranks, so that a slot would outlive
-its weight), gets a
-parameter that is a slot of one arena (per dtype), the layers in the model's order,
-each slot 64-byte aligned. The memory the separate weights had was never written, so
+its weight), gets a parameter that is a slot of one arena (per dtype), the layers in
+the model's order, each slot 64-byte aligned. The memory the separate weights had was never written, so
 nothing is copied. A slot is marked (`is_slot`): the method packs it in place as it
 packs a weight that owns its storage.
 """
 
 from __future__ import annotations
-
-import contextlib
-import contextvars
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -34,18 +29,6 @@ from tokenmill.layers import huge_pages
 ALIGN = 64  # bytes: a cache line
 BASE_ALIGN = huge_pages.MIN_BYTES  # the arena starts on a huge page's boundary
 _SLOT = "_tokenmill_arena_slot"
-
-_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("weight_arena", default=False)
-
-
-@contextlib.contextmanager
-def for_weights(enabled: bool) -> Iterator[None]:
-    """Inside, `gather` lays weights out in an arena (when `enabled`)."""
-    token = _ENABLED.set(enabled)
-    try:
-        yield
-    finally:
-        _ENABLED.reset(token)
 
 
 def is_slot(tensor: torch.Tensor) -> bool:
@@ -65,8 +48,9 @@ def arena(nbytes: int, dtype: torch.dtype) -> torch.Tensor:
 
 def gather(model: nn.Module) -> int:
     """Give every CPU Linear of `model` whose method takes it (`arena_weight`) a weight
-    in one arena per dtype, inside `for_weights(True)`; the bytes laid out so."""
-    if not _ENABLED.get():
+    in one arena per dtype, inside `huge_pages.for_weights(..., arena=True)`; the bytes
+    laid out so."""
+    if not huge_pages.arena_asked():
         return 0
     from tokenmill.layers.linear import Linear  # linear imports the methods, they this
 

@@ -10,7 +10,6 @@ child process.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 import time
@@ -32,7 +31,7 @@ from tokenmill.dist.context import (
 from tokenmill.dist.expert_replicas import ReplicaSet
 from tokenmill.dist.pipeline import PipelineSends, PipelineStage, micro_batches
 from tokenmill.dist.tensor_parallel import tensor_parallel_selector
-from tokenmill.layers import allocator, huge_pages, weight_arena
+from tokenmill.layers import allocator, huge_pages
 from tokenmill.layers.linear import weight_bytes
 from tokenmill.layers.moe import SparseMoE
 from tokenmill.layers.parallel import SINGLE_RANK, Collectives
@@ -63,13 +62,6 @@ class MemoryUsage:
     @property
     def total(self) -> int:
         return self.weights + self.kv_cache + self.proposer_weights + self.proposer_kv_cache
-
-
-@contextlib.contextmanager
-def weights_laid_out(mcfg):
-    """Huge pages and the weight arena as the model config asks, for the loads inside."""
-    with huge_pages.for_weights(mcfg.huge_pages), weight_arena.for_weights(mcfg.weight_arena):
-        yield
 
 
 def resolve_max_model_len(config: EngineConfig, arch: ArchConfig) -> int:
@@ -104,7 +96,7 @@ class Worker:
         self.products = target_products(config, self.base_products, dtype, self.stage)
         self.products.configure_threads(threads)
         self.replicas = self._replica_set(config)
-        with weights_laid_out(mcfg):
+        with huge_pages.for_weights(mcfg.huge_pages, arena=mcfg.weight_arena):
             loaded = load_model(mcfg.model, mcfg.dtype, mcfg.device, mcfg.max_model_len,
                                 progress=progress and self.group.rank == 0, group=self.group,
                                 select_linear=tensor_parallel_selector(
@@ -136,7 +128,8 @@ class Worker:
         if context is not None:
             context.target, context.num_blocks = loaded, self.kv_plan.num_blocks
             context.select_linear, context.progress = self.base_products.selector, progress
-        with weights_laid_out(mcfg):  # a draft model's weights too
+        # A draft model's weights too.
+        with huge_pages.for_weights(mcfg.huge_pages, arena=mcfg.weight_arena):
             self.proposer = build_proposer(context)
         # Distributions the last proposals' sampled drafts were drawn from, by request.
         self._draft_probs: dict[str, torch.Tensor] = {}
