@@ -171,18 +171,19 @@ def test_fused_gate_up_activation_is_bit_identical_to_the_product_then_silu_mul(
 
 @needs_native
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 5, 8, 12])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 12, 16])
 def test_decode_sized_tiles_equal_the_wide_ones_bit_for_bit(threads, rows):
-    """Up to 12 rows, a product wide enough to give every thread four groups takes the
-    decode tiles (AVX-512: 4 rows x 6 blocks; fused, up to 8 rows: 4 rows x 3 units).
-    Each output sums its columns in the same order as in the wide tiles a 16-row product
-    takes, so the rows come out bit-identical; partial blocks and groups, two column
-    chunks, bias."""
+    """Up to the build's limit, a product wide enough to give every thread four groups
+    takes the decode tiles (AVX-512, up to 12 rows: 4 rows x 6 blocks, fused up to 8
+    rows 4 rows x 3 units; AVX2, up to 16 rows: 2 rows x 2 blocks, fused below 20 rows
+    2 rows x 2 units). Each output sums its columns in the same order as in the wide
+    tiles a 24-row product takes, so the rows come out bit-identical; partial blocks and
+    groups, two column chunks, bias."""
     torch.manual_seed(rows)
     in_features, out_features, intermediate = 600, 1000, 400
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)
     gate_up = torch.randn(2 * intermediate, in_features) * 0.2
-    x = torch.randn(16, in_features)
+    x = torch.randn(24, in_features)
     packed, packed_gate_up = native_linear.pack(weight), native_linear.pack(gate_up)
     padded = native_linear.padded_bias(bias, packed)
     previous = torch.get_num_threads()
@@ -196,8 +197,8 @@ def test_decode_sized_tiles_equal_the_wide_ones_bit_for_bit(threads, rows):
         products = native_linear.linear(x, packed_gate_up, None, 2 * intermediate)
         wide_act = native_linear.linear_silu_mul(x, packed_gate_up, None, 2 * intermediate)
         # A host that measured the wide tile faster takes it at every row count, and for
-        # the fused activation up to 32 rows 12 rows x 1 unit (the 16 rows above took
-        # 6 rows x 2 units).
+        # the fused activation (AVX-512) up to 32 rows 12 rows x 1 unit (the 24 rows
+        # above took 6 rows x 2 units).
         native_linear.set_decode_rows(0)
         no_tiles = native_linear.linear(x[:rows], packed, padded, out_features)
         no_tiles_act = native_linear.linear_silu_mul(x[:rows], packed_gate_up, None,

@@ -73,7 +73,8 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
     """Under the cap, in a process of its own (the libraries read their caps when they
     load): the product, quantized product and decode kernels against their references
     (torch, the dequantized weight in float64), and greedy tokens and log
-    probabilities against transformers through the native products (AVX2 tiles), the
+    probabilities against transformers through the native products (AVX2 tiles, the
+    decode tiles bit-identical to the wide ones), the
     in-place decode kernel and the sparse backends' list kernel (8-lane register fold),
     the causal prefill kernel (8-lane tiles), the fused gate/up activation,
     oneDNN and OpenBLAS (capped)."""
@@ -81,6 +82,7 @@ def test_the_kernels_and_the_engine_run_their_avx2_paths_with_the_same_results(m
         "tests/test_cpu_blas.py::test_native_kernel_at_odd_widths_equals_torch",
         "tests/test_cpu_blas.py::test_fused_gate_up_activation_is_bit_identical_to_the_"
         "product_then_silu_mul",
+        "tests/test_cpu_blas.py::test_decode_sized_tiles_equal_the_wide_ones_bit_for_bit",
         "tests/kv/test_paged_native.py::test_the_kernel_equals_gathered_attention",
         "tests/kv/test_prefill_native.py::test_the_kernel_equals_sdpa_per_chunk",
         "tests/kv/test_block_sparse_native.py::test_native_list_attention_is_the_gathered_route",

@@ -39,11 +39,19 @@ constexpr int kLanes = 16;  // a block's channels: the packed layout on every CP
 // where the wide tile is, 12 rows x 1 unit up to TM_WIDE_FUSED_ROWS rows (one tile of
 // up to 12 rows, two streams: a decode step's products 1.07x at 8 and 12 rows, 1.04x at
 // 16 and 32, level at 64, on an Intel host).
-// AVX2, 6 rows x 1 unit (the plain tile's 6 x 2 halves) from 8 rows on; below, where
+// AVX2, 6 rows x 1 unit (the plain tile's 6 x 2 halves) from 20 rows on; below, where
 // the weights stream from memory, 2 rows x 2 units (a whole block's lines per stream:
-// half-block units read each line twice, and one row ran 1.4x slower so).
-#ifndef TM_DECODE_ROWS  // AVX-512; 0: no decode tiles
+// half-block units read each line twice; one row ran 1.4x slower so, and under an AVX2
+// cap on an Intel host the gate/up product at 8, 12 and 16 rows 1.19x, 1.11x and 1.10x
+// slower, level at 24, 0.95x at 32). AVX2's decode tiles, up to 16 rows, are 2 rows x 2
+// blocks (two streams a thread, 8 accumulators): under that cap a decode step's
+// products 1.02-1.04x at 4-16 rows against the wide tile (docs/BENCHMARKS.md).
+#ifndef TM_DECODE_ROWS  // 0: no decode tiles
+#if defined(__AVX512F__)
 #define TM_DECODE_ROWS 12
+#else
+#define TM_DECODE_ROWS 16
+#endif
 #endif
 constexpr int64_t kDecodeRows = TM_DECODE_ROWS;
 #if defined(__AVX512F__)
@@ -67,9 +75,9 @@ constexpr int64_t kWideFusedRows = TM_WIDE_FUSED_ROWS;
 #else
 constexpr int kVec = 8;
 constexpr int kRowTile = 6, kBlockTile = 1;  // 6 x 1 x 2 halves + 2 + a broadcast of 16
-#ifndef TM_DECODE_ROW_TILE  // the wide tile: other shapes measured no better (BENCHMARKS)
-#define TM_DECODE_ROW_TILE 6
-#define TM_DECODE_BLOCK_TILE 1
+#ifndef TM_DECODE_ROW_TILE  // 2 x 2 blocks x 2 halves + 4 weight halves + a broadcast
+#define TM_DECODE_ROW_TILE 2
+#define TM_DECODE_BLOCK_TILE 2
 #endif
 constexpr int kDecodeRowTile = TM_DECODE_ROW_TILE, kDecodeBlockTile = TM_DECODE_BLOCK_TILE;
 constexpr int kUnitTile = 1, kFusedRowTile = 6, kFewUnitTile = 2, kFewRowTile = 2;
@@ -77,10 +85,13 @@ constexpr int kWideUnitTile = 1, kWideFusedRowTile = 6;  // AVX2 has no wide fus
 constexpr int64_t kWideFusedRows = 0;
 #endif
 // Rows below which the fused activation takes its few-row tile, for products that take
-// the decode tiles up to `decode_rows` (AVX-512: 4 x 3 up to 8 rows; AVX2: below 8 rows
-// whatever the decode tiles, which there are the wide tile's shape).
+// the decode tiles up to `decode_rows` (AVX-512: 4 x 3 up to 8 rows; AVX2: 2 x 2 units
+// below 20 rows whatever the decode tiles).
+#ifndef TM_FEW_FUSED_ROWS_AVX2
+#define TM_FEW_FUSED_ROWS_AVX2 20
+#endif
 inline int64_t fused_few_rows(int64_t decode_rows) {
-  return kVec == kLanes ? std::min<int64_t>(9, decode_rows + 1) : 8;
+  return kVec == kLanes ? std::min<int64_t>(9, decode_rows + 1) : TM_FEW_FUSED_ROWS_AVX2;
 }
 constexpr int kParts = kLanes / kVec;
 constexpr int kMaxVectors = std::max({kBlockTile * kParts, kDecodeBlockTile * kParts,
