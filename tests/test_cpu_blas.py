@@ -176,9 +176,9 @@ def test_decode_sized_tiles_equal_the_wide_ones_bit_for_bit(threads, rows):
     """Up to the build's limit, a product wide enough to give every thread four groups
     takes the decode tiles (AVX-512, up to 12 rows: 4 rows x 6 blocks, fused up to 8
     rows 4 rows x 3 units; AVX2, up to 16 rows: 2 rows x 2 blocks, fused below 20 rows
-    2 rows x 2 units). Each output sums its columns in the same order as in the wide
-    tiles a 24-row product takes, so the rows come out bit-identical; partial blocks and
-    groups, two column chunks, bias."""
+    2 rows x 2 units, below 8 without decode tiles). Each output sums its columns in the
+    same order as in the wide tiles a 24-row product takes, so the rows come out
+    bit-identical; partial blocks and groups, two column chunks, bias."""
     torch.manual_seed(rows)
     in_features, out_features, intermediate = 600, 1000, 400
     weight, bias = torch.randn(out_features, in_features), torch.randn(out_features)

@@ -86,12 +86,14 @@ constexpr int64_t kWideFusedRows = 0;
 #endif
 // Rows below which the fused activation takes its few-row tile, for products that take
 // the decode tiles up to `decode_rows` (AVX-512: 4 x 3 up to 8 rows; AVX2: 2 x 2 units
-// below 20 rows whatever the decode tiles).
+// below 20 rows where the host keeps its decode tiles, the same whole-block streams,
+// else below 8 rows as before they were measured).
 #ifndef TM_FEW_FUSED_ROWS_AVX2
 #define TM_FEW_FUSED_ROWS_AVX2 20
 #endif
 inline int64_t fused_few_rows(int64_t decode_rows) {
-  return kVec == kLanes ? std::min<int64_t>(9, decode_rows + 1) : TM_FEW_FUSED_ROWS_AVX2;
+  if (kVec == kLanes) return std::min<int64_t>(9, decode_rows + 1);
+  return decode_rows > 0 ? TM_FEW_FUSED_ROWS_AVX2 : 8;
 }
 constexpr int kParts = kLanes / kVec;
 constexpr int kMaxVectors = std::max({kBlockTile * kParts, kDecodeBlockTile * kParts,
