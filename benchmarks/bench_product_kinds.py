@@ -10,7 +10,7 @@ run time; layers/fetch_distance.py) alternate pass by pass in one process; --are
 into one 2 MB-aligned allocation first (layers/weight_arena.py's layout), against
 `pack`'s one allocation per weight.
 
-    python benchmarks/bench_product_kinds.py [--rows 1] [--builds "" "TM_STREAM_AHEAD=32"]
+    python benchmarks/bench_product_kinds.py [--rows 1,8] [--builds "" "TM_STREAM_AHEAD=32"]
     python benchmarks/bench_product_kinds.py --arena
     python benchmarks/bench_product_kinds.py --arena --stream-ahead 64 48 32 16
 """
@@ -55,7 +55,7 @@ def weights(arena: bool) -> list[tuple[str, torch.Tensor]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--rows", default="1", help="row counts, comma-separated (1,8,16)")
     parser.add_argument("--builds", nargs="+", default=[""], metavar="MACRO=VALUE ...")
     parser.add_argument("--decode-rows", type=int, default=None,
                         help="every build's decode-tile limit (default: the build's own)")
@@ -76,23 +76,35 @@ def main() -> None:
     packed = weights(args.arena)
     kinds = [kind for kind, _ in packed]
     fused = [kind == "gate/up" for kind in kinds]
-    xs = [torch.randn(args.rows, w.shape[1]) for _, w in packed]
-    outs = [torch.empty(args.rows, w.shape[0] * native_linear.LANES // (2 if f else 1))
-            for (_, w), f in zip(packed, fused, strict=True)]
-    seconds: dict[tuple, list[torch.Tensor]] = {variant: [] for variant in variants}
+    row_counts = [int(r) for r in args.rows.split(",")]
+    xs = {rows: [torch.randn(rows, w.shape[1]) for _, w in packed] for rows in row_counts}
+    outs = {rows: [torch.empty(rows, w.shape[0] * native_linear.LANES // (2 if f else 1))
+                   for (_, w), f in zip(packed, fused, strict=True)] for rows in row_counts}
+    seconds: dict[tuple, list[torch.Tensor]] = {
+        (rows, *variant): [] for rows in row_counts for variant in variants}
     for round_ in range(args.rounds + 1):  # the first warms up
-        for variant, library in variants.items():
-            library.set_stream_ahead(variant[1] if variant[1] is not None
-                                     else library.built_stream_ahead)
-            entries = library.entry_points()
-            times = timer.product_pass(entries["f32_linear_into"],
-                                       entries["f32_linear_silu_mul_into"],
-                                       [w for _, w in packed], fused, xs, outs, args.passes)
-            if round_:
-                seconds[variant].append(times)
-    print(f"{args.rows} rows, weights {'in one arena' if args.arena else 'one by one'}: "
-          "median ms a pass per kind (GB/s)")
-    for (build, columns), runs in seconds.items():
+        for rows in row_counts:  # every row count and variant in turn, round by round
+            for variant, library in variants.items():
+                library.set_stream_ahead(variant[1] if variant[1] is not None
+                                         else library.built_stream_ahead)
+                entries = library.entry_points()
+                times = timer.product_pass(entries["f32_linear_into"],
+                                           entries["f32_linear_silu_mul_into"],
+                                           [w for _, w in packed], fused, xs[rows],
+                                           outs[rows], args.passes)
+                if round_:
+                    seconds[(rows, *variant)].append(times)
+    report(seconds, packed, kinds, args.arena)
+
+
+def report(seconds: dict[tuple, list[torch.Tensor]], packed, kinds, arena: bool) -> None:
+    """Per row count, per build and fetch distance: each kind's median ms a pass and GB/s."""
+    shown = None
+    for (rows, build, columns), runs in seconds.items():
+        if rows != shown:
+            shown = rows
+            print(f"{rows} rows, weights {'in one arena' if arena else 'one by one'}: "
+                  "median ms a pass per kind (GB/s)")
         times = torch.cat(runs)
         cells = []
         for kind in (*KINDS, "head"):
