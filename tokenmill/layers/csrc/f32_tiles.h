@@ -39,7 +39,8 @@ constexpr int kLanes = 16;  // a block's channels: the packed layout on every CP
 // where the wide tile is, 12 rows x 1 unit up to TM_WIDE_FUSED_ROWS rows (one tile of
 // up to 12 rows, two streams: a decode step's products 1.07x at 8 and 12 rows, 1.04x at
 // 16 and 32, level at 64, on an Intel host).
-// AVX2, 6 rows x 1 unit (the plain tile's 6 x 2 halves) from 20 rows on; below, where
+// AVX2, 6 rows x 1 unit (the plain tile's 6 x 2 halves) from 20 rows on (from 8 where
+// the host measured the wide tile faster than its decode tiles); below, where
 // the weights stream from memory, 2 rows x 2 units (a whole block's lines per stream:
 // half-block units read each line twice; one row ran 1.4x slower so, and under an AVX2
 // cap on an Intel host the gate/up product at 8, 12 and 16 rows 1.19x, 1.11x and 1.10x
