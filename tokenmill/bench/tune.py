@@ -13,8 +13,8 @@ beside it; first, the native kernel's decode tiles against its wide tile at 8 ro
 (layers/product_table.py), and how far ahead its few-row tiles fetch their weights at
 one row (layers/fetch_distance.py). `--report` prints what is stored (the start-up
 probe's or a tune's) and plots it, and the limit the paged-native backend measured at
-start-up for its causal prefill kernel (attention/prefill_native.py). `--scheduler` times the scheduler knobs
-instead (bench/tune_scheduler.py).
+start-up for its causal prefill kernel (attention/prefill_native.py). `--scheduler`
+times the scheduler knobs instead (bench/tune_scheduler.py).
 """
 
 from __future__ import annotations
