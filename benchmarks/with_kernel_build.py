@@ -3,8 +3,8 @@
 The kernel's compile-time settings (layers/csrc/f32_tiles.h: TM_DECODE_ROWS, TM_ROW_TILE
 / TM_BLOCK_TILE, TM_UNIT_TILE / TM_FUSED_ROW_TILE, TM_WIDE_FUSED_ROWS, TM_CHUNK, TM_PANEL,
 TM_PREFETCH_NEXT, TM_STREAM_AHEAD, TM_SPREAD, TM_PACK_ROWS, TM_SLICE_ROWS,
-TM_SPLIT_PANELS, TM_EVEN_SHARES, TM_EVEN_TILES, TM_STEAL, TM_UNROLL) select other builds; each
-build compiles once into its own cache directory. Run two settings in turn to A/B them
+TM_SPLIT_PANELS, TM_EVEN_SHARES, TM_EVEN_TILES, TM_STEAL, TM_UNROLL) select other builds;
+each build compiles once into its own cache directory. Run two settings in turn to A/B them
 inside the engine:
 
     python benchmarks/with_kernel_build.py "TM_DECODE_ROWS=0" \\
