@@ -196,10 +196,10 @@ constexpr int64_t kMaxStreamAhead = 1024;
 #endif
 
 // Columns the tile loop takes per pass (GCC's unrolling; the fetch's countdown stays per
-// column): a prefill's products 1.03-1.04x at 4 on an Intel host, AVX-512 and under an
-// AVX2 cap (docs/BENCHMARKS.md). Loops restructured around the fetch instead (an inner
-// loop per fetch, or a remainder loop after an unrolled one) had GCC keep the
-// accumulators in memory, 3x slower.
+// column): at 4 a prefill 1.03-1.05x on an Intel host with AVX-512, level to 1.03x
+// under an AVX2 cap (docs/BENCHMARKS.md). Loops restructured around the fetch instead
+// (an inner loop per fetch, or a remainder loop after an unrolled one) had GCC keep the
+// accumulators in memory, a fraction of the speed.
 #ifndef TM_UNROLL
 #define TM_UNROLL 4
 #endif
