@@ -31,12 +31,11 @@ static double now(void) {
 int main(void) {
   const long iterations = 100000000;  // per thread
   double best = 0, check = 0;
-  int threads = 1;
+  const int threads = omp_get_max_threads();
   for (int run = 0; run < 5; ++run) {
     const double started = now();
 #pragma omp parallel reduction(+ : check)
     {
-      threads = omp_get_num_threads();
       vf x = {0}, w = {0};
       x += 0.9999f;
       w += 1e-7f;
