@@ -1,14 +1,19 @@
 """A decode step's time outside its weight streams: the engine's own work per step.
 
 One request at a time (--requests of them, each --prompt random tokens + --new-tokens
-greedy tokens) on the random Qwen2.5-0.5B shape (or --model), float32, the native
-kernel. Each decode step is timed whole (`LLMEngine.step`), and within it the compiled
+greedy tokens; --batch N submits N together: decode steps of N rows) on the random
+Qwen2.5-0.5B shape (or --model), float32, the native kernel. Each decode step is timed whole (`LLMEngine.step`), and within it the compiled
 decoder stack's call (model/decode_stack.py) and the LM head (`compute_logits`); what is
 left is the engine's Python and the small torch operations around them (scheduling,
 inputs, metadata, embedding, sampling, detokenising, outputs), which run with the
 caches cold after each step's 2 GB weight stream. Reports the medians per request.
+--products also times, right after each decode step, one pass of the same model's
+decoder products alone (its own packed weights, random rows of the step's count): the
+stack less that pass is what the stack spends beyond its products (attention, norms,
+and products slower inside the stack than alone).
 
     python benchmarks/bench_step_overhead.py [--requests 3] [--new-tokens 128]
+    python benchmarks/bench_step_overhead.py --requests 2 --batch 32 --products
     python benchmarks/bench_step_overhead.py --no-weight-arena   # weights one by one
 
 To compare revisions, run it from a worktree of each in turn (the kernels' builds are
@@ -27,10 +32,13 @@ import statistics
 import time
 from pathlib import Path
 
+import torch
+
 import tokenmill
 from tokenmill import SamplingParams
 from tokenmill.bench.ceilings import host_description
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.layers import native_linear
 
 DEFAULT_MODEL = Path.home() / ".cache" / "tokenmill" / "models" / "qwen2.5-0.5b-random"
 
@@ -73,12 +81,17 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="requests submitted together per round (decode rows per step)")
+    parser.add_argument("--products", action="store_true",
+                        help="after each decode step, time the model's products alone")
     parser.add_argument("--weight-arena", action=argparse.BooleanOptionalAction, default=True,
                         help="the engine's weight arena (layers/weight_arena.py)")
     args = parser.parse_args()
     print(host_description(), f"tokenmill from {Path(tokenmill.__file__).parent}", sep="\n")
     engine = LLMEngine.from_kwargs(args.model, progress=False, cpu_blas="native",
-                                   weight_arena=args.weight_arena, max_model_len=args.prompt + args.new_tokens + 16)
+                                   weight_arena=args.weight_arena,
+                                   max_model_len=args.prompt + args.new_tokens + 16)
     model = engine.executor.worker.runner.model
     if model.decode_stack is None:
         raise SystemExit("this model or host takes no compiled decode stack")
@@ -86,21 +99,53 @@ def main() -> None:
     head = Timed(model, "compute_logits")
     rng = random.Random(0)
     vocab = engine.arch.vocab_size
-    print("request: median ms per decode step: step = stack + LM head + the rest")
+    alone = products_pass(model, args.batch) if args.products else None
+    print("request: median ms per decode step: step = stack + LM head + the rest"
+          + ("; the stack's products alone, stack - products" if alone else ""))
     for index in range(args.requests):
-        engine.add_request(str(index), [rng.randrange(10, vocab - 1) for _ in range(args.prompt)],
-                           SamplingParams(max_tokens=args.new_tokens, temperature=0,
-                                          ignore_eos=True))
+        for member in range(args.batch):
+            engine.add_request(f"{index}-{member}",
+                               [rng.randrange(10, vocab - 1) for _ in range(args.prompt)],
+                               SamplingParams(max_tokens=args.new_tokens, temperature=0,
+                                              ignore_eos=True))
         steps: list[tuple[float, float, float]] = []
+        passes: list[float] = []
         while engine.has_unfinished_requests():
             stack.spent = head.spent = 0.0
             started = time.perf_counter()
             engine.step()
             if stack.spent:  # a decode step (the prefill takes the layers' path)
                 steps.append((time.perf_counter() - started, stack.spent, head.spent))
+                if alone:
+                    passes.append(alone())
         step, kernel, logits = (statistics.median(column) * 1e3 for column in zip(*steps, strict=True))
         rest = statistics.median(total - s - h for total, s, h in steps) * 1e3
-        print(f"{index}: {step:.2f} = {kernel:.2f} + {logits:.2f} + {rest:.3f}", flush=True)
+        line = f"{index}: {step:.2f} = {kernel:.2f} + {logits:.2f} + {rest:.3f}"
+        if alone:
+            beyond = statistics.median(s - p for (_, s, _), p in zip(steps, passes, strict=True))
+            line += f"; {statistics.median(passes) * 1e3:.2f}, {beyond * 1e3:.2f}"
+        print(line, flush=True)
+
+
+def products_pass(model, rows: int):
+    """A callable timing one pass of the model's decoder products at `rows` random rows,
+    in the stack's order, with the kernel calls the stack makes (seconds)."""
+    kernel = native_linear.library()
+    products = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for product in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+            call = kernel.f32_linear_silu_mul if product is mlp.gate_up_proj else kernel.f32_linear
+            products.append((call, product.native_weight, product.native_bias,
+                             product.out_features, product.in_features))
+    rows_by_width = {width: torch.randn(rows, width) for *_, width in products}
+
+    def one_pass() -> float:
+        started = time.perf_counter()
+        for call, weight, bias, out_features, width in products:
+            call(rows_by_width[width], weight, bias, out_features)
+        return time.perf_counter() - started
+    return one_pass
 
 
 if __name__ == "__main__":
