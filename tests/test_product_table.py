@@ -156,7 +156,9 @@ def test_tune_measures_a_models_shapes_and_reports(tmp_path, monkeypatch, capsys
     fetch = fetch_distance.read(1)
     if native_linear.available():
         assert fetch["stream_ahead"] in fetch_distance.CANDIDATES
+        assert fetch["stream_ahead_many"] in fetch_distance.CANDIDATES
         assert "native fetch distance (tune, 1 row" in out
+        assert f"native fetch distance (tune, {fetch_distance.MANY_ROWS} rows" in out
     assert main(["tune", "--report", "--threads", "1"]) == 0
     report = capsys.readouterr().out
     assert f"choice (smallest geometric-mean slowdown): {stored['choice']}" in report

@@ -11,7 +11,7 @@ version and thread count; the choice is the candidate with the smallest
 geometric-mean slowdown over the classes, and the fastest per class is reported
 beside it; first, the native kernel's decode tiles against its wide tile at 8 rows
 (layers/product_table.py), and how far ahead its few-row tiles fetch their weights at
-one row (layers/fetch_distance.py). `--report` prints what is stored (the start-up
+one row and at 8 (layers/fetch_distance.py). `--report` prints what is stored (the start-up
 probe's or a tune's) and plots it, and the limit the paged-native backend measured at
 start-up for its causal prefill kernel (attention/prefill_native.py). `--scheduler`
 times the scheduler knobs instead (bench/tune_scheduler.py).
@@ -117,10 +117,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
                                  for part, most in ((shapes[:-1], layers), (shapes[-1:], 4)))
     if native_linear.available():
         # Then how far ahead its few-row tiles fetch their weights, from memory.
-        fetch = fetch_distance.write(threads, fetch_distance.measure(
-            shapes[:-1] * layer_copies + shapes[-1:], threads, repeats=args.repeats),
-            shape_name)
-        native_linear.set_stream_ahead(fetch["stream_ahead"])
+        passes = shapes[:-1] * layer_copies + shapes[-1:]
+        fetch = fetch_distance.write(
+            threads, fetch_distance.measure(passes, threads, repeats=args.repeats), shape_name,
+            fetch_distance.measure(passes, threads, repeats=args.repeats,
+                                   rows=fetch_distance.MANY_ROWS))
+        fetch_distance.configure(threads)
         print(fetch_distance.format_entry(fetch))
         print(f"stored in {fetch_distance.table_path(threads)}")
     # The weights from memory, as in the model's decode step (one layer's weights can sit

@@ -153,14 +153,21 @@ def built_stream_ahead() -> int:
     return library().built_stream_ahead
 
 
-def set_stream_ahead(columns: int) -> None:
+def set_stream_ahead(columns: int, rows: int = 1) -> None:
     """How many columns ahead a product of a few rows fetches its own weights (0:
-    none); the best distance differs by host (layers/fetch_distance.py measures it)."""
-    library().set_stream_ahead(columns)
+    none), for `rows`' class: up to `one_ahead_rows()` rows, or more (each its own
+    distance); the best distance differs by host and rows (layers/fetch_distance.py
+    measures both)."""
+    library().set_stream_ahead(columns, rows)
 
 
-def stream_ahead() -> int:
-    return library().stream_ahead()
+def stream_ahead(rows: int = 1) -> int:
+    return library().stream_ahead(rows)
+
+
+def one_ahead_rows() -> int:
+    """The most rows that take the one-row class's fetch distance."""
+    return library().one_ahead_rows
 
 
 def fuses_silu_mul(out_features: int) -> bool:

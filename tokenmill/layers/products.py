@@ -107,7 +107,7 @@ class NativeProducts(ProductPolicy):
         # Decode tiles or the wide tile at a decode step's rows, and how far ahead a few
         # rows' weights are fetched: measured on this host.
         native_linear.set_decode_rows(native_decode_rows(num_threads))
-        native_linear.set_stream_ahead(fetch_distance.native_stream_ahead(num_threads))
+        fetch_distance.configure(num_threads)
 
 
 class NumpyProducts(ProductPolicy):

@@ -386,10 +386,11 @@ void set_decode_rows(int64_t rows) {
   decode_rows = rows;
 }
 
-void set_stream_ahead(int64_t columns) {
+void set_stream_ahead(int64_t columns, int64_t rows) {
   TORCH_CHECK(columns >= 0 && columns <= kMaxStreamAhead, "stream ahead must be 0 .. ",
               kMaxStreamAhead, " columns, got ", columns);
-  stream_ahead = columns;
+  TORCH_CHECK(rows >= 1, "stream ahead: rows must be 1 or more, got ", rows);
+  (rows > kOneAheadRows ? stream_ahead_many : stream_ahead) = columns;
 }
 
 }  // namespace
@@ -406,8 +407,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "work items a thread took from another's run since the library loaded");
   m.attr("max_decode_rows") = kDecodeRows;
   m.def("set_stream_ahead", &set_stream_ahead,
-        "columns ahead a lone row tile fetches its own weights (0: none)");
-  m.def("stream_ahead", [] { return stream_ahead; }, "the current fetch distance");
+        "columns ahead a lone row tile of `rows`' class fetches its own weights (0: none)",
+        pybind11::arg("columns"), pybind11::arg("rows") = 1);
+  m.def("stream_ahead",
+        [](int64_t rows) { return rows > kOneAheadRows ? stream_ahead_many : stream_ahead; },
+        "the current fetch distance of `rows`' class", pybind11::arg("rows") = 1);
+  m.attr("one_ahead_rows") = kOneAheadRows;
   m.attr("built_stream_ahead") = TM_STREAM_AHEAD;
   m.def("entry_points", [] {
     const tokenmill::entry::Product linear = &f32_linear_into;

@@ -148,11 +148,15 @@ constexpr int64_t kPanel = TM_PANEL;
 // 1.05-1.1x at 4-32 rows on a Zen 4 host, and the wide tile's 8 rows 1.14x on an Intel
 // one, against no fetch (docs/BENCHMARKS.md); 0: none. The build's distance until the
 // engine sets the one `tokenmill tune` measured fastest on this host (stream_ahead):
-// on an Intel host 32-48 read a one-row step's products 1.03x faster than 64.
+// on an Intel host 32-48 read a one-row step's products 1.03x faster than 64. A lone
+// tile of more than kOneAheadRows rows takes a distance of its own (stream_ahead_many,
+// tuned at 8 rows): on a Zen 4 host one row read fastest at 16 (1.14x against 48) and 8
+// rows at 48 (1.20x against 16), level at 4 (docs/BENCHMARKS.md).
 #ifndef TM_STREAM_AHEAD
 #define TM_STREAM_AHEAD 64
 #endif
-int64_t stream_ahead = TM_STREAM_AHEAD;
+int64_t stream_ahead = TM_STREAM_AHEAD, stream_ahead_many = TM_STREAM_AHEAD;
+constexpr int64_t kOneAheadRows = 4;
 constexpr int64_t kMaxStreamAhead = 1024;
 // Products of this many rows or more first repack x tile by tile (pack_rows), so that
 // a tile reads its rows' column k from one line; fewer rows (a decode step's, bound by
@@ -413,18 +417,19 @@ void rows_tail(const Problem& p, const Slots& s, const float* x, const Sink& sin
   }
 }
 
-// What row tile t of `tiles` over a chunk of `columns` fetches: a lone tile its own
-// streams stream_ahead columns ahead; more tiles their shares of the next chunk.
-Fetch plan(const Streams& next, int64_t tiles, int64_t t, int64_t columns) {
+// What row tile t of `tiles` over a chunk of `columns` for `rows` rows fetches: a lone
+// tile its own streams stream_ahead(_many) columns ahead; more tiles their shares of
+// the next chunk.
+Fetch plan(const Streams& next, int64_t tiles, int64_t t, int64_t columns, int64_t rows) {
   if (tiles == 1) {
     Fetch lone;
-    lone.ahead = stream_ahead;
+    lone.ahead = rows > kOneAheadRows ? stream_ahead_many : stream_ahead;
     return lone;
   }
   if (!TM_PREFETCH_NEXT || next.lines == 0) return Fetch{};
   if (TM_SPREAD) return share(next, tiles, t, columns);
   // The old plan: the first tile its own streams ahead, tiles 1 .. streams a stream each.
-  if (t == 0) return plan(next, 1, 0, columns);
+  if (t == 0) return plan(next, 1, 0, columns, rows);
   if (t - 1 >= next.lines) return Fetch{};
   Streams one;
   one.w[0] = next.w[t - 1];
@@ -450,7 +455,7 @@ void group(const Problem& p, const Slots& s, int64_t m_begin, int64_t m_end, con
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t size = tile_rows<RowTile>(rows, tiles, t, done);
       rows_tail<V, RowTile>(p, s, p.x + (m_begin + done) * p.K, sink.rows_on(done), size, k0,
-                            k1, plan(after, tiles, t, k1 - k0));
+                            k1, plan(after, tiles, t, k1 - k0, rows));
       done += size;
     }
   }
