@@ -18,6 +18,8 @@ sets it on a host that measured it faster).
     python benchmarks/bench_native_rows.py --rows 512 --fused --builds A B
     python benchmarks/bench_native_rows.py --rows 8,32 --model-pass --fused \\
         --decode-rows 0 --builds "" git:HEAD
+    python benchmarks/bench_native_rows.py --rows 1,8 --model-pass --fused \\
+        --decode-rows 0 --builds "" --stream-ahead 16,48     # fetch distances
 
 --fused adds each build's gate/up product with the activation in its epilogue (the
 engine's gated MLP call) after the plain columns, gate/up rows only.
@@ -64,8 +66,11 @@ def torch_call(x, weight, _unused) -> None:
     torch.mm(x, weight.t())
 
 
-def model_pass(kernels: dict, rows_list: list[int], passes: int, fused: bool) -> None:
-    """Each build's time for one decode step's products, alternated pass by pass."""
+def model_pass(kernels: dict, rows_list: list[int], passes: int, fused: bool,
+               aheads: list[int] | None = None) -> None:
+    """Each build's time for one decode step's products, alternated pass by pass (with
+    `aheads`, each build at each fetch distance of the rows' class, set before its
+    pass)."""
     hidden, intermediate, vocab = 896, 4864, 151936
     shapes = [(1152, hidden), (hidden, hidden), (2 * intermediate, hidden),
               (hidden, intermediate)] * 24 + [(vocab, hidden)]
@@ -85,12 +90,16 @@ def model_pass(kernels: dict, rows_list: list[int], passes: int, fused: bool) ->
                     kernel.f32_linear(xs[inp], weight, None, out)
             return (time.perf_counter() - started) * 1e3
 
-        times = {build: [] for build in kernels}
+        variants = {(f"{build} ahead {ahead}" if aheads else build): (kernel, ahead)
+                    for build, kernel in kernels.items() for ahead in (aheads or [None])}
+        times = {variant: [] for variant in variants}
         for kernel in kernels.values():
             one_pass(kernel)  # warm-up
         for _ in range(passes):
-            for build, kernel in kernels.items():
-                times[build].append(one_pass(kernel))
+            for variant, (kernel, ahead) in variants.items():
+                if ahead is not None:
+                    kernel.set_stream_ahead(ahead, rows)
+                times[variant].append(one_pass(kernel))
         for build, spent in times.items():
             print(f"{rows}, {build}: {statistics.median(spent):.1f} ({min(spent):.1f})",
                   flush=True)
@@ -137,6 +146,9 @@ def main() -> None:
                         help="every build's decode-tile limit (default: the build's own)")
     parser.add_argument("--fused", action="store_true",
                         help="also each build's gate/up product with its activation fused")
+    parser.add_argument("--stream-ahead", default=None,
+                        help="with --model-pass: fetch distances (columns) to time each "
+                             "build at, e.g. 16,48 (default: each build's own)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     builds = args.builds or [f"TM_PANEL={int(panel)}" for panel in args.panels.split(",")]
@@ -145,8 +157,10 @@ def main() -> None:
         for built in kernels.values():
             built.set_decode_rows(args.decode_rows)
     if args.model_pass:
+        aheads = ([int(ahead) for ahead in args.stream_ahead.split(",")]
+                  if args.stream_ahead else None)
         return model_pass(kernels, [int(rows) for rows in args.rows.split(",")], args.passes,
-                          args.fused)
+                          args.fused, aheads)
     print("out x in, rows: " + ", ".join(f"native {b}" for b in kernels)
           + ("" if not args.fused else ", then fused (gate/up only)")
           + (", oneDNN" if cpu_blas.onednn_available() else "") + ", torch (GFLOP/s)")
