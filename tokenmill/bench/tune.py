@@ -9,10 +9,10 @@ weights (twice the last-level cache, at most the model's layers) so that they co
 memory as in the model's step. The table is stored for this CPU, torch
 version and thread count; the choice is the candidate with the smallest
 geometric-mean slowdown over the classes, and the fastest per class is reported
-beside it; first, the native kernel's decode tiles against its wide tile at 8 rows
-(layers/product_table.py), and how far ahead its few-row tiles fetch their weights at
-one row and at 8 (layers/fetch_distance.py). `--report` prints what is stored (the start-up
-probe's or a tune's) and plots it, and the limit the paged-native backend measured at
+beside it; first, how far ahead the native kernel's lone row tiles fetch their weights
+at one row and at 8 (layers/fetch_distance.py), then its decode tiles against its wide
+tile at 8 rows, the wide tile at its measured distance (layers/product_table.py).
+`--report` prints what is stored (the start-up probe's or a tune's) and plots it, and the limit the paged-native backend measured at
 start-up for its causal prefill kernel (attention/prefill_native.py). `--scheduler`
 times the scheduler knobs instead (bench/tune_scheduler.py).
 """
@@ -106,25 +106,33 @@ def cmd_tune(args: argparse.Namespace) -> int:
     print(f"tuning {shape_name} ({len(shapes) - 1} products per layer x {layers} layers + "
           f"LM head) at {threads} threads, rows {list(rows)}")
     progress = (lambda line: print("  " + line, flush=True)) if args.verbose else None
+    layer_copies, head_copies = (cold_copies(4 * sum(o * i for o, i in part), most)
+                                 for part, most in ((shapes[:-1], layers), (shapes[-1:], 4)))
+    if native_linear.available():
+        # First how far ahead the native kernel's lone row tiles fetch their weights, from
+        # memory: at one row, and at 8 on the wide tile (one tile of 8 rows, which takes
+        # the several-row distance; the decode tiles split 8 rows and fetch by shares).
+        passes = shapes[:-1] * layer_copies + shapes[-1:]
+        one = fetch_distance.measure(passes, threads, repeats=args.repeats)
+        decode_rows = native_linear.decode_rows()
+        native_linear.set_decode_rows(0)
+        try:
+            many = fetch_distance.measure(passes, threads, repeats=args.repeats,
+                                          rows=fetch_distance.MANY_ROWS)
+        finally:
+            native_linear.set_decode_rows(decode_rows)
+        fetch = fetch_distance.write(threads, one, shape_name, many)
+        fetch_distance.configure(threads)
+        print(fetch_distance.format_entry(fetch))
+        print(f"stored in {fetch_distance.table_path(threads)}")
     if native_linear.available() and native_linear.max_decode_rows() > 0:
-        # First the native kernel's tiles at a decode step's rows (one layer's products
-        # and the head: beyond the caches on most hosts), then native runs with them.
+        # Then its tiles at a decode step's rows (one layer's products and the head:
+        # beyond the caches on most hosts), the wide tile at its measured distance; then
+        # native runs with them.
         tiles = write_decode_tiles(threads, measure_decode_tiles(shapes, threads), "tune")
         native_linear.set_decode_rows(tiles["decode_rows"])
         print(format_decode_tiles(tiles))
         print(f"stored in {decode_tiles_path(threads)}")
-    layer_copies, head_copies = (cold_copies(4 * sum(o * i for o, i in part), most)
-                                 for part, most in ((shapes[:-1], layers), (shapes[-1:], 4)))
-    if native_linear.available():
-        # Then how far ahead its few-row tiles fetch their weights, from memory.
-        passes = shapes[:-1] * layer_copies + shapes[-1:]
-        fetch = fetch_distance.write(
-            threads, fetch_distance.measure(passes, threads, repeats=args.repeats), shape_name,
-            fetch_distance.measure(passes, threads, repeats=args.repeats,
-                                   rows=fetch_distance.MANY_ROWS))
-        fetch_distance.configure(threads)
-        print(fetch_distance.format_entry(fetch))
-        print(f"stored in {fetch_distance.table_path(threads)}")
     # The weights from memory, as in the model's decode step (one layer's weights can sit
     # in a large last-level cache: on a host with 480 MB of it, one layer's products
     # timed 1.4x faster than the same products in a pass over the whole model). The LM
