@@ -390,7 +390,7 @@ void set_stream_ahead(int64_t columns, int64_t rows) {
   TORCH_CHECK(columns >= 0 && columns <= kMaxStreamAhead, "stream ahead must be 0 .. ",
               kMaxStreamAhead, " columns, got ", columns);
   TORCH_CHECK(rows >= 1, "stream ahead: rows must be 1 or more, got ", rows);
-  (rows > kOneAheadRows ? stream_ahead_many : stream_ahead) = columns;
+  stream_ahead_for(rows) = columns;
 }
 
 }  // namespace
@@ -410,7 +410,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "columns ahead a lone row tile of `rows`' class fetches its own weights (0: none)",
         pybind11::arg("columns"), pybind11::arg("rows") = 1);
   m.def("stream_ahead",
-        [](int64_t rows) { return rows > kOneAheadRows ? stream_ahead_many : stream_ahead; },
+        [](int64_t rows) { return stream_ahead_for(rows); },
         "the current fetch distance of `rows`' class", pybind11::arg("rows") = 1);
   m.attr("one_ahead_rows") = kOneAheadRows;
   m.attr("built_stream_ahead") = TM_STREAM_AHEAD;

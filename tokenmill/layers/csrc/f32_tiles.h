@@ -157,6 +157,10 @@ constexpr int64_t kPanel = TM_PANEL;
 #endif
 int64_t stream_ahead = TM_STREAM_AHEAD, stream_ahead_many = TM_STREAM_AHEAD;
 constexpr int64_t kOneAheadRows = 4;
+// The distance a lone tile of `rows` rows takes (set and read through it as well).
+inline int64_t& stream_ahead_for(int64_t rows) {
+  return rows > kOneAheadRows ? stream_ahead_many : stream_ahead;
+}
 constexpr int64_t kMaxStreamAhead = 1024;
 // Products of this many rows or more first repack x tile by tile (pack_rows), so that
 // a tile reads its rows' column k from one line; fewer rows (a decode step's, bound by
@@ -418,12 +422,12 @@ void rows_tail(const Problem& p, const Slots& s, const float* x, const Sink& sin
 }
 
 // What row tile t of `tiles` over a chunk of `columns` for `rows` rows fetches: a lone
-// tile its own streams stream_ahead(_many) columns ahead; more tiles their shares of
+// tile its own streams stream_ahead_for(rows) columns ahead; more tiles their shares of
 // the next chunk.
 Fetch plan(const Streams& next, int64_t tiles, int64_t t, int64_t columns, int64_t rows) {
   if (tiles == 1) {
     Fetch lone;
-    lone.ahead = rows > kOneAheadRows ? stream_ahead_many : stream_ahead;
+    lone.ahead = stream_ahead_for(rows);
     return lone;
   }
   if (!TM_PREFETCH_NEXT || next.lines == 0) return Fetch{};
