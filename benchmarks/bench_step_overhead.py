@@ -2,9 +2,10 @@
 
 One request at a time (--requests of them, each --prompt random tokens + --new-tokens
 greedy tokens; --batch N submits N together: decode steps of N rows) on the random
-Qwen2.5-0.5B shape (or --model), float32, the native kernel. Each decode step is timed whole (`LLMEngine.step`), and within it the compiled
-decoder stack's call (model/decode_stack.py) and the LM head (`compute_logits`); what is
-left is the engine's Python and the small torch operations around them (scheduling,
+Qwen2.5-0.5B shape (or --model), float32, the native kernel. Each decode step is timed
+whole (`LLMEngine.step`), and within it the compiled decoder stack's call
+(model/decode_stack.py) and the LM head (`compute_logits`); what is left is the engine's
+Python and the small torch operations around them (scheduling,
 inputs, metadata, embedding, sampling, detokenising, outputs), which run with the
 caches cold after each step's 2 GB weight stream. Reports the medians per request.
 --products also times, right after each decode step, one pass of the same model's
@@ -88,6 +89,8 @@ def main() -> None:
     parser.add_argument("--weight-arena", action=argparse.BooleanOptionalAction, default=True,
                         help="the engine's weight arena (layers/weight_arena.py)")
     args = parser.parse_args()
+    if args.batch < 1:
+        parser.error(f"--batch must be 1 or more, got {args.batch}")
     print(host_description(), f"tokenmill from {Path(tokenmill.__file__).parent}", sep="\n")
     engine = LLMEngine.from_kwargs(args.model, progress=False, cpu_blas="native",
                                    weight_arena=args.weight_arena,
