@@ -11,10 +11,13 @@ caches cold after each step's 2 GB weight stream. Reports the medians per reques
 --products also times, right after each decode step, one pass of the same model's
 decoder products alone (its own packed weights, random rows of the step's count): the
 stack less that pass is what the stack spends beyond its products (attention, norms,
-and products slower inside the stack than alone).
+and products slower inside the stack than alone). --ops times each of the stack's
+operations in it (its `timed` switch: norms, qkv, attention, o, gate_up, down), and with
+--products each product alone beside it.
 
     python benchmarks/bench_step_overhead.py [--requests 3] [--new-tokens 128]
     python benchmarks/bench_step_overhead.py --requests 2 --batch 32 --products
+    python benchmarks/bench_step_overhead.py --requests 2 --batch 32 --products --ops
     python benchmarks/bench_step_overhead.py --no-weight-arena   # weights one by one
 
 To compare revisions, run it from a worktree of each in turn (the kernels' builds are
@@ -86,6 +89,8 @@ def main() -> None:
                         help="requests submitted together per round (decode rows per step)")
     parser.add_argument("--products", action="store_true",
                         help="after each decode step, time the model's products alone")
+    parser.add_argument("--ops", action="store_true",
+                        help="time each of the stack's operations (and each product alone)")
     parser.add_argument("--weight-arena", action=argparse.BooleanOptionalAction, default=True,
                         help="the engine's weight arena (layers/weight_arena.py)")
     args = parser.parse_args()
@@ -99,6 +104,7 @@ def main() -> None:
     if model.decode_stack is None:
         raise SystemExit("this model or host takes no compiled decode stack")
     stack = model.decode_stack.kernel = TimedKernel(model.decode_stack.kernel)
+    stack.kernel.timed = args.ops
     head = Timed(model, "compute_logits")
     rng = random.Random(0)
     vocab = engine.arch.vocab_size
@@ -113,14 +119,21 @@ def main() -> None:
                                               ignore_eos=True))
         steps: list[tuple[float, float, float]] = []
         passes: list[float] = []
+        ops: dict[str, list[float]] = {}
         while engine.has_unfinished_requests():
             stack.spent = head.spent = 0.0
+            stack.kernel.spent(reset=True)
             started = time.perf_counter()
             engine.step()
             if stack.spent:  # a decode step (the prefill takes the layers' path)
                 steps.append((time.perf_counter() - started, stack.spent, head.spent))
+                for name, seconds in stack.kernel.spent(reset=True).items():
+                    ops.setdefault(name, []).append(seconds)
                 if alone:
-                    passes.append(alone())
+                    seconds, by_kind = alone()
+                    passes.append(seconds)
+                    for name, spent in by_kind.items():
+                        ops.setdefault(f"{name} alone", []).append(spent)
         step, kernel, logits = (statistics.median(column) * 1e3 for column in zip(*steps, strict=True))
         rest = statistics.median(total - s - h for total, s, h in steps) * 1e3
         line = f"{index}: {step:.2f} = {kernel:.2f} + {logits:.2f} + {rest:.3f}"
@@ -128,26 +141,35 @@ def main() -> None:
             beyond = statistics.median(s - p for (_, s, _), p in zip(steps, passes, strict=True))
             line += f"; {statistics.median(passes) * 1e3:.2f}, {beyond * 1e3:.2f}"
         print(line, flush=True)
+        if args.ops:
+            print("   ", ", ".join(f"{name} {statistics.median(spent) * 1e3:.2f}"
+                                   for name, spent in ops.items()), flush=True)
 
 
 def products_pass(model, rows: int):
     """A callable timing one pass of the model's decoder products at `rows` random rows,
-    in the stack's order, with the kernel calls the stack makes (seconds)."""
+    in the stack's order, with the kernel calls the stack makes: (seconds, seconds by
+    product: qkv, o, gate_up, down)."""
     kernel = native_linear.library()
     products = []
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for product in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+        for name, product in (("qkv", attn.qkv_proj), ("o", attn.o_proj),
+                              ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)):
             call = kernel.f32_linear_silu_mul if product is mlp.gate_up_proj else kernel.f32_linear
-            products.append((call, product.native_weight, product.native_bias,
+            products.append((name, call, product.native_weight, product.native_bias,
                              product.out_features, product.in_features))
     rows_by_width = {width: torch.randn(rows, width) for *_, width in products}
 
-    def one_pass() -> float:
-        started = time.perf_counter()
-        for call, weight, bias, out_features, width in products:
+    def one_pass() -> tuple[float, dict[str, float]]:
+        by_kind = dict.fromkeys(("qkv", "o", "gate_up", "down"), 0.0)
+        started = mark = time.perf_counter()
+        for name, call, weight, bias, out_features, width in products:
             call(rows_by_width[width], weight, bias, out_features)
-        return time.perf_counter() - started
+            now = time.perf_counter()
+            by_kind[name] += now - mark
+            mark = now
+        return mark - started, by_kind
     return one_pass
 
 

@@ -62,6 +62,22 @@ def test_stack_changes_no_bit(model_factory, family, steps_taken):
     assert len(steps_taken) == PARAMS.max_tokens - 1  # none while it was unset
 
 
+def test_timed_operations_sum_their_seconds(llama_dir, steps_taken):
+    """`timed` (bench_step_overhead.py --ops) sums each operation's seconds over the
+    stacked steps and changes no output; off, nothing is summed; `spent` resets."""
+    llm = LLM(str(llama_dir), progress=False, cpu_blas="native")
+    kernel = model_of(llm.engine).decode_stack.kernel
+    untimed = logprobs(llm)
+    assert set(kernel.spent()) == {"norms", "qkv", "attention", "o", "gate_up", "down"}
+    assert not any(kernel.spent().values())
+    kernel.timed = True
+    assert logprobs(llm) == untimed
+    spent = kernel.spent()
+    assert all(seconds > 0 for seconds in spent.values()), spent
+    assert not any(kernel.spent().values())  # the first read reset them
+    kernel.timed = False
+
+
 def test_kept_buffers_equal_fresh_tensors(llama_dir, steps_taken):
     """The stack's kept activation buffers against a new tensor for every output (as
     kernels that return theirs make them): the same bits, and the kept ones survive a

@@ -22,6 +22,8 @@
 // (benchmarks/bench_whole_decode.py's "fresh tensors").
 #include <torch/extension.h>
 
+#include <array>
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -123,6 +125,14 @@ class Stack {
     };
     cos = cos.contiguous();
     sin = sin.contiguous();
+    // `timed`: each operation's seconds added to spent_ (bench_step_overhead.py --ops).
+    auto mark = std::chrono::steady_clock::now();
+    const auto lap = [&](Op op) {
+      if (!timed_) return;
+      const auto now = std::chrono::steady_clock::now();
+      spent_[op] += std::chrono::duration<double>(now - mark).count();
+      mark = now;
+    };
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       if (i == 0) {
@@ -133,24 +143,43 @@ class Stack {
         fresh({&b.residual, &b.x});
         add_norm_(residual, b.down, l.input.weight, l.input.eps, b.residual, b.x);
       }
+      lap(kNorms);
       fresh({&b.qkv});
       linear_(b.x, l.qkv.packed, l.qkv.bias, b.qkv);
+      lap(kQkv);
       fresh({&b.attended});
       attend(b.qkv, cos, sin, slots, l.keys, l.values, tables, lengths, l.scale, l.heads,
              b.attended);
+      lap(kAttention);
       fresh({&b.o});
       linear_(b.attended, l.o.packed, l.o.bias, b.o);
+      lap(kO);
       const torch::Tensor residual = b.residual;
       fresh({&b.residual, &b.x});
       add_norm_(residual, b.o, l.post.weight, l.post.eps, b.residual, b.x);
+      lap(kNorms);
       fresh({&b.act});
       linear_silu_mul_(b.x, l.gate_up.packed, l.gate_up.bias, b.act);
+      lap(kGateUp);
       fresh({&b.down});
       linear_(b.act, l.down.packed, l.down.bias, b.down);
+      lap(kDown);
     }
     auto out = torch::empty_like(b.residual);
     add_norm_(b.residual, b.down, final_.weight, final_.eps, b.residual, out);
+    lap(kNorms);
     return out;
+  }
+
+  void set_timed(bool on) { timed_ = on; }
+  bool timed() const { return timed_; }
+
+  // Seconds spent per operation while `timed` (since the last reset), by name.
+  std::map<std::string, double> spent(bool reset) {
+    std::map<std::string, double> by_name;
+    for (int op = 0; op < kOps; ++op) by_name[kOpNames[op]] = spent_[op];
+    if (reset) spent_.fill(0.0);
+    return by_name;
   }
 
   void set_fresh(bool on) { fresh_ = on; }
@@ -181,6 +210,12 @@ class Stack {
     return buffers_;
   }
 
+  enum Op { kNorms, kQkv, kAttention, kO, kGateUp, kDown, kOps };
+  static constexpr const char* kOpNames[kOps] = {"norms", "qkv", "attention", "o", "gate_up",
+                                                 "down"};
+  bool timed_ = false;
+  std::array<double, kOps> spent_{};
+
   Product linear_, linear_silu_mul_;
   RmsNorm norm_;
   AddRmsNorm add_norm_;
@@ -203,5 +238,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            "the final norm's output after every layer, for a decode-only step")
       .def_property("fresh", &Stack::fresh, &Stack::set_fresh,
                     "whether every output is a new tensor (as before the kept buffers: A/Bs)")
+      .def_property("timed", &Stack::timed, &Stack::set_timed,
+                    "whether each operation's seconds are summed (spent)")
+      .def("spent", &Stack::spent, pybind11::arg("reset") = true,
+           "seconds per operation (norms, qkv, attention, o, gate_up, down) while timed")
       .def_property_readonly("num_layers", &Stack::num_layers);
 }
