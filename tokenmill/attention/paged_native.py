@@ -7,7 +7,8 @@ a small C++ kernel (csrc/paged_decode.cpp, compiled for this CPU at first use) w
 each request's block table instead: a work item is a request's run of tokens (split
 into shares when requests are fewer than threads), read in 16-token tiles of whole
 token rows (all KV heads) and folded into a running softmax per query head while the
-next tile is prefetched, so the context is read once, where it lies, with no copy and
+next tile is prefetched (into L1 or L2, whichever this host measured faster at start-up:
+kv_fetch.py), so the context is read once, where it lies, with no copy and
 no padding to the longest request. A decode-only step writes its K/V in the same
 call, and is taken whole from each layer's qkv projection (decode_qkv: the rotary
 embedding too, so the layer runs no split, views or rotation of its own). A
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.attention import prefill_native
+from tokenmill.attention import kv_fetch, prefill_native
 from tokenmill.attention.base import BatchLayout
 from tokenmill.attention.paged import PagedAttention, PagedMetadata
 from tokenmill.attention.prefill_native import native_prefill
@@ -37,10 +38,13 @@ from tokenmill.kv import KVCache
 from tokenmill.layers.native import build_extension
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "paged_decode.cpp"
+FLAGS = ("-ffast-math",)
+
+
 @functools.cache  # (no arguments: a lookup per layer costs nothing)
 def native_decode():
     """The compiled kernel module, or None where it cannot be built."""
-    return build_extension("paged_decode", SOURCE, ("-ffast-math",))
+    return build_extension("paged_decode", SOURCE, FLAGS)
 
 
 @functools.cache  # (per kernel module: read once, looked up per step)
@@ -75,7 +79,11 @@ class PagedNativeAttention(PagedAttention):
         self._pools = {}
         if (cache is not None and cache.data.device.type == "cpu" and not cache.quantized
                 and cache.data.dtype == torch.float32):
-            self.whole_decode_ready = self.fused_decode and native_decode() is not None
+            decode = native_decode()
+            self.whole_decode_ready = self.fused_decode and decode is not None
+            if decode is not None:  # the prefetch level this host reads a cold pool best at
+                kv_fetch.configure(decode, SOURCE, FLAGS, self.spec.num_heads,
+                                   self.spec.num_kv_heads, self.spec.head_dim)
             kernel = native_prefill()
             if kernel is not None and self.spec.head_dim % kernel.lanes() == 0:
                 self.prefill_limit = prefill_native.longest_sequence(

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.attention import prefill_native
+from tokenmill.attention import kv_fetch, prefill_native
 from tokenmill.bench.tune_scheduler import (
     add_scheduler_arguments,
     cmd_tune_scheduler,
@@ -191,7 +191,8 @@ def report(threads: int, out: Path | None) -> int:
     prefill = prefill_native.stored_tables(threads)
     tiles = read_decode_tiles(threads)
     fetch = fetch_distance.read(threads) if native_linear.available() else None
-    if entry is None and not prefill and tiles is None:
+    kv = kv_fetch.stored(threads)
+    if entry is None and not prefill and tiles is None and not kv:
         print(f"nothing measured on this host at {threads} threads yet: run `tokenmill tune` "
               f"(or start an engine: --cpu-blas auto probes)", file=sys.stderr)
         return 1
@@ -211,6 +212,8 @@ def report(threads: int, out: Path | None) -> int:
         print("\n" + prefill_native.format_table(geometry, table))
     if prefill:
         print(f"from {prefill_native.table_dir(threads)}")
+    for name, measured in kv.items():
+        print("\n" + kv_fetch.format_entry(name, measured))
     return 0
 
 

@@ -31,6 +31,27 @@ struct Geometry {
   int64_t heads, kv_heads, group, head_dim, block_size, width;
 };
 
+// Which cache the prefetcher fills: 1, L1 (prefetcht0); 2, L2 only (prefetcht1). The
+// best differs by host and build: on a Zen 4 host the AVX-512 fold read a cold cache
+// 1.15-1.24x faster with L2, the AVX2 one 0.92-0.98x as fast (docs/BENCHMARKS.md), so
+// the engine measures both at start-up and sets the faster (attention/kv_fetch.py).
+#ifndef TM_KV_FETCH_LEVEL
+#define TM_KV_FETCH_LEVEL 1
+#endif
+// The level the prefetchers of this module take (set through the kernel's
+// set_fetch_level). Static: each compiled module keeps its own (an inline function's
+// static is one object across every module the process loads, GCC's unique symbols).
+static inline int& fetch_level() {
+  static int level = TM_KV_FETCH_LEVEL;
+  return level;
+}
+
+// Requests `lines` 64-byte lines from p on into the cache `Locality` names.
+template <int Locality>
+inline void fetch_lines(const float* p, int64_t lines) {
+  for (int64_t line = 0; line < lines; ++line) __builtin_prefetch(p + 16 * line, 0, Locality);
+}
+
 // The next tile's cache lines (keys and values of each of its tokens), requested a
 // few tokens at a time while the current tile is folded: a burst of all of them at once
 // (256 lines for a tile of 16 tokens of 2 x 64-dim heads) exceeds the lines a core
@@ -43,20 +64,26 @@ struct Prefetch {
   const float* values = nullptr;
   const int64_t* offsets = nullptr;
   int64_t row_lines = 0, total = 0, next = 0;  // total, next: tokens
+  bool to_l2 = false;
 
   // n tokens at offsets o of k and v, row_floats floats of each (all KV heads, or one).
   void start(const float* k, const float* v, const int64_t* o, int64_t n, int64_t row_floats) {
     keys = k, values = v, offsets = o, next = 0;
     row_lines = (row_floats + 15) / 16;
     total = n;
+    to_l2 = fetch_level() == 2;
   }
   // Request the lines of up to `count` more tokens, each token's keys then values.
   inline void step(int64_t count) {
+    if (to_l2) return fetch<2>(count);
+    fetch<3>(count);
+  }
+
+  template <int Locality>
+  inline void fetch(int64_t count) {
     for (const int64_t stop = std::min(total, next + count); next < stop; ++next) {
-      const float* key = keys + offsets[next];
-      const float* value = values + offsets[next];
-      for (int64_t line = 0; line < row_lines; ++line) __builtin_prefetch(key + 16 * line);
-      for (int64_t line = 0; line < row_lines; ++line) __builtin_prefetch(value + 16 * line);
+      fetch_lines<Locality>(keys + offsets[next], row_lines);
+      fetch_lines<Locality>(values + offsets[next], row_lines);
     }
   }
 };

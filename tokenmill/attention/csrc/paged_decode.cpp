@@ -294,6 +294,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "store the step's keys and values at their slots, then paged_decode");
   m.def("rope_write_and_decode", &rope_write_and_decode,
         "rotate a decode step's qkv projection's query and key heads, then write_and_decode");
+  m.def("set_fetch_level", [](int64_t level) {
+    TORCH_CHECK(level == 1 || level == 2, "fetch level must be 1 (L1) or 2 (L2), got ", level);
+    decode::fetch_level() = static_cast<int>(level);
+  }, "the cache the next tile's keys and values are prefetched into: 1 (L1) or 2 (L2)");
+  m.def("fetch_level", [] { return decode::fetch_level(); }, "the prefetch level in use");
+  m.def("built_fetch_level", [] { return TM_KV_FETCH_LEVEL; }, "this build's own level");
   m.def("entry_points", [] {
     const tokenmill::entry::QkvDecode qkv_decode = &rope_write_and_decode_into;
     return std::map<std::string, int64_t>{
