@@ -40,11 +40,20 @@ def test_the_kernel_equals_gathered_attention(heads, kv_heads, head_dim, block_s
     torch.testing.assert_close(out, reference, atol=2e-6, rtol=1e-5)
 
 
+class KernelLevels:
+    """The kernel's prefetch-level calls, which the backend makes at start-up
+    (attention/kv_fetch.py), for the spies below (None where the tests are skipped)."""
+
+    fetch_level = staticmethod(getattr(kernel, "fetch_level", None))
+    set_fetch_level = staticmethod(getattr(kernel, "set_fetch_level", None))
+    built_fetch_level = staticmethod(getattr(kernel, "built_fetch_level", None))
+
+
 def test_the_backend_takes_the_kernel_for_one_token_rows_only(monkeypatch, llama_dir):
     calls, whole = [], []
     real = kernel.paged_decode
 
-    class Spy:
+    class Spy(KernelLevels):
         @staticmethod
         def paged_decode(*args):
             calls.append(args[0].shape[0])
@@ -133,7 +142,7 @@ def test_speculative_rows_take_the_kernel_token_by_token(monkeypatch, llama_dir)
     greedy output equals the gather path's, with and without speculation."""
     calls = []
 
-    class Spy:
+    class Spy(KernelLevels):
         @staticmethod
         def paged_decode(*args):
             calls.append((args[0].shape[0], args[3].shape[0]))
