@@ -37,6 +37,16 @@ def pytest_sessionstart(session):
         build()
 
 
+@pytest.fixture(autouse=True)
+def _kv_fetch_cache(tmp_path_factory, monkeypatch):
+    """Engines started with auto-tuning on (a test's TOKENMILL_AUTO_TUNE=1) measure the
+    decode kernel's prefetch level at start-up (attention/kv_fetch.py): kept in the test
+    session's temporary folder, not the user's cache."""
+    from tokenmill.attention import kv_fetch
+
+    monkeypatch.setattr(kv_fetch, "CACHE", tmp_path_factory.getbasetemp() / "kv_fetch")
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("tokenizer")

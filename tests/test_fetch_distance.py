@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.attention import kv_fetch
 from tokenmill.layers import fetch_distance, native_linear
 from tokenmill.layers import product_table as table
 from tokenmill.layers.products import NativeProducts
@@ -71,7 +70,6 @@ def test_one_row_and_several_rows_keep_their_own_distances():
 @needs_native
 def test_a_stored_distance_is_taken_by_the_engine_for_its_build_only(tmp_path, monkeypatch):
     monkeypatch.setattr(fetch_distance, "CACHE", tmp_path)
-    monkeypatch.setattr(kv_fetch, "CACHE", tmp_path)  # the engine measures it at start-up
     monkeypatch.setattr(table, "CACHE", tmp_path)
     monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "1")
     built = native_linear.built_stream_ahead()

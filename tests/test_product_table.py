@@ -8,7 +8,6 @@ import torch
 
 import tokenmill.attention.prefill_native as prefill_native
 import tokenmill.layers.product_table as table
-from tokenmill.attention import kv_fetch
 from tokenmill.cli import main
 from tokenmill.layers import fetch_distance, native_linear
 from tokenmill.layers.products import (
@@ -106,7 +105,6 @@ def test_a_library_whose_threads_spin_is_left_to_settle_before_the_next_timing(m
 
 def test_the_probe_runs_once_and_auto_follows_it(tmp_path, monkeypatch):
     monkeypatch.setattr(table, "CACHE", tmp_path)
-    monkeypatch.setattr(kv_fetch, "CACHE", tmp_path)  # engines measure it at start-up
     monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "1")
     probes = []
 
@@ -144,7 +142,6 @@ def test_tune_measures_a_models_shapes_and_reports(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(table, "CACHE", tmp_path)
     monkeypatch.setattr(prefill_native, "CACHE", tmp_path)  # nor the prefill kernel's limit
     monkeypatch.setattr(fetch_distance, "CACHE", tmp_path)  # nor the fetch distance
-    monkeypatch.setattr(kv_fetch, "CACHE", tmp_path)  # nor the attention's prefetch level
     assert main(["tune", "--report", "--threads", "1"]) == 1  # nothing measured yet
     assert main(["tune", "--model", str(llama_dir), "--rows", "1,4", "--repeats", "1",
                  "--threads", "1", "--out", str(tmp_path / "plot")]) == 0
@@ -205,7 +202,6 @@ def test_the_wide_tile_is_taken_only_when_measured_faster():
 def test_the_decode_tiles_are_probed_once_per_host_and_set_by_the_policy(tmp_path,
                                                                           monkeypatch):
     monkeypatch.setattr(table, "CACHE", tmp_path)
-    monkeypatch.setattr(kv_fetch, "CACHE", tmp_path)  # engines measure it at start-up
     monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "1")
     limit = native_linear.max_decode_rows()
     probes = []
