@@ -25,12 +25,14 @@ def test_choose_takes_the_faster_level_only_past_the_margin():
     assert kv_fetch.choose({1: 0.5, 2: 1.0}, built=2) == 1
 
 
-def test_measured_pools_are_whole_blocks_beyond_the_caches():
+def test_measured_pools_are_whole_blocks_beyond_the_caches(monkeypatch):
     for kv_heads, head_dim in ((2, 64), (8, 128), (1, 16)):
         context = kv_fetch.context_for(kv_heads, head_dim)
         assert context % kv_fetch.BLOCK == 0 and context >= 4 * kv_fetch.BLOCK
         total = kv_fetch.LAYERS * kv_fetch.ROWS * context * 2 * kv_heads * head_dim * 4
         assert total >= kv_fetch.pool_bytes() >= kv_fetch.POOL_BYTES
+    monkeypatch.setattr(kv_fetch, "last_level_cache_bytes", lambda: 2**30)  # a 1 GB L3
+    assert kv_fetch.pool_bytes() == kv_fetch.MAX_POOL_BYTES
 
 
 @pytest.fixture

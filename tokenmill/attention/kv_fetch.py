@@ -37,6 +37,7 @@ LEVELS = (1, 2)  # 1: into L1 (prefetcht0); 2: into L2 only (prefetcht1)
 ROWS = 8  # a decode step's requests
 LAYERS = 24  # pools read in turn, one per layer, as a step reads them
 POOL_BYTES = 96 * 2**20  # K/V over all the layers, at least (and 3x the last-level cache)
+MAX_POOL_BYTES = 384 * 2**20  # ... at most (a start-up's passing allocation)
 BLOCK = 16  # tokens per block of the measured pools
 ROUNDS = 5  # timed rounds (after one warm-up), each level once a round
 MARGIN = 0.98  # the other level must be 2% faster than the build's to replace it
@@ -50,8 +51,9 @@ def choose(seconds: dict[int, float], built: int) -> int:
 
 
 def pool_bytes() -> int:
-    """K/V bytes the measured pools hold: POOL_BYTES, or 3x a larger last-level cache."""
-    return max(POOL_BYTES, 3 * last_level_cache_bytes())
+    """K/V bytes the measured pools hold: POOL_BYTES, or 3x a larger last-level cache
+    (up to MAX_POOL_BYTES)."""
+    return min(MAX_POOL_BYTES, max(POOL_BYTES, 3 * last_level_cache_bytes()))
 
 
 def context_for(kv_heads: int, head_dim: int) -> int:
