@@ -8,6 +8,7 @@ import torch
 
 import tokenmill.attention.prefill_native as prefill_native
 import tokenmill.layers.product_table as table
+from tokenmill.attention import kv_fetch
 from tokenmill.cli import main
 from tokenmill.layers import fetch_distance, native_linear
 from tokenmill.layers.products import (
@@ -142,6 +143,7 @@ def test_tune_measures_a_models_shapes_and_reports(tmp_path, monkeypatch, capsys
     monkeypatch.setattr(table, "CACHE", tmp_path)
     monkeypatch.setattr(prefill_native, "CACHE", tmp_path)  # nor the prefill kernel's limit
     monkeypatch.setattr(fetch_distance, "CACHE", tmp_path)  # nor the fetch distance
+    monkeypatch.setattr(kv_fetch, "CACHE", tmp_path)  # nor the attention's prefetch level
     assert main(["tune", "--report", "--threads", "1"]) == 1  # nothing measured yet
     assert main(["tune", "--model", str(llama_dir), "--rows", "1,4", "--repeats", "1",
                  "--threads", "1", "--out", str(tmp_path / "plot")]) == 0
