@@ -90,6 +90,12 @@ def test_configure_measures_once_then_reads(tmp_path, monkeypatch, level_restore
     assert kv_fetch.configure(KERNEL, SOURCE, FLAGS, 4, 2, 16) == KERNEL.built_fetch_level()
     assert KERNEL.fetch_level() == KERNEL.built_fetch_level() and len(calls) == 3
     assert set(kv_fetch.stored(torch.get_num_threads())) == {path.stem, f"8-2-16-{path.stem[-8:]}"}
+    # A file that does not read as an entry is measured again, and left out of the report.
+    monkeypatch.setenv("TOKENMILL_AUTO_TUNE", "1")
+    path.write_text('{"level": 2}')
+    assert path.stem not in kv_fetch.stored(torch.get_num_threads())
+    assert kv_fetch.configure(KERNEL, SOURCE, FLAGS, 4, 2, 16) == 2 and len(calls) == 4
+    assert path.stem in kv_fetch.stored(torch.get_num_threads())
 
 
 @needs_kernel

@@ -5,9 +5,9 @@ In the engine every layer's KV pool is read once per step after the other layers
 weights have pushed it out of the caches, so decode attention streams its keys and
 values from memory, the next 16-token tile's lines prefetched while the current one is
 folded (csrc/decode_tile.h). Into L1 (`prefetcht0`, the build's) or into L2 only
-(`prefetcht1`): on a Zen 4 host the AVX-512 kernel read a cold cache 1.15-1.30x faster
-into L2, the same host's AVX2 build 0.92-0.98x as fast (docs/BENCHMARKS.md), so
-neither is a default to assume. At start-up the paged-native backend times both on
+(`prefetcht1`): on a Zen 4 host the AVX-512 kernel read a cold cache 1.17-1.42x faster
+into L2, the same host's AVX2 build 0.92x as fast at 32 requests x 160 tokens and
+1.09-1.13x at longer contexts (docs/BENCHMARKS.md), so neither is a default to assume. At start-up the paged-native backend times both on
 pools far beyond the caches (`measure`: the levels alternating pass by pass) and sets
 the faster; the result is kept per host, thread count, head geometry and kernel build,
 so a host measures once (under a second). TOKENMILL_AUTO_TUNE=0 keeps the build's.
@@ -15,9 +15,7 @@ so a host measures once (under a second). TOKENMILL_AUTO_TUNE=0 keeps the build'
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import random
 import time
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.layers.fetch_distance import choose  # the same rule: 2% past the build's
 from tokenmill.layers.isa import kernel_flags
 from tokenmill.layers.native import build_key
 from tokenmill.layers.product_table import host_key, measured_once, read_json, write_json
@@ -40,14 +39,6 @@ POOL_BYTES = 96 * 2**20  # K/V over all the layers, at least (and 3x the last-le
 MAX_POOL_BYTES = 384 * 2**20  # ... at most (a start-up's passing allocation)
 BLOCK = 16  # tokens per block of the measured pools
 ROUNDS = 5  # timed rounds (after one warm-up), each level once a round
-MARGIN = 0.98  # the other level must be 2% faster than the build's to replace it
-
-
-def choose(seconds: dict[int, float], built: int) -> int:
-    """The faster level if it beats the build's by more than the margin (ties and
-    near-ties stay with the build's)."""
-    fastest = min(seconds, key=lambda level: (seconds[level], level != built))
-    return fastest if seconds[fastest] < MARGIN * seconds.get(built, math.inf) else built
 
 
 def pool_bytes() -> int:
@@ -102,16 +93,22 @@ def measure(kernel, heads: int, kv_heads: int, head_dim: int,
     return {level: min(times[1:]) for level, times in seconds.items()}
 
 
+def folder(threads: int) -> Path:
+    return CACHE / "kv_fetch" / f"{host_key(threads)}-{threads}t"
+
+
 def table_path(source: Path, flags: tuple[str, ...], heads: int, kv_heads: int,
                head_dim: int, threads: int) -> Path:
     build = build_key(source, (*flags, *kernel_flags()))[:8]
-    return (CACHE / "kv_fetch" / f"{host_key(threads)}-{threads}t"
-            / f"{heads}-{kv_heads}-{head_dim}-{build}.json")
+    return folder(threads) / f"{heads}-{kv_heads}-{head_dim}-{build}.json"
 
 
-def valid(entry: dict | None, built: int) -> dict | None:
-    """The entry if its choice is one a measurement can make."""
-    if entry is None or entry.get("level") not in LEVELS or entry.get("built") != built:
+def valid(entry: dict | None, built: int | None = None) -> dict | None:
+    """The entry if its choice is one a measurement can make, with its timings (and, if
+    `built` is given, made by a build of that level)."""
+    if (entry is None or entry.get("level") not in LEVELS or entry.get("built") not in LEVELS
+            or not isinstance(entry.get("seconds"), dict)
+            or (built is not None and entry["built"] != built)):
         return None
     return entry
 
@@ -142,9 +139,12 @@ def configure(kernel, source: Path, flags: tuple[str, ...], heads: int, kv_heads
 
 
 def stored(threads: int) -> dict[str, dict]:
-    """{"heads-kv_heads-head_dim-build": entry} measured on this host at `threads`."""
-    folder = CACHE / "kv_fetch" / f"{host_key(threads)}-{threads}t"
-    return {path.stem: json.loads(path.read_text()) for path in sorted(folder.glob("*.json"))}
+    """{"heads-kv_heads-head_dim-build": entry} measured on this host at `threads` (files
+    that do not read as an entry left out)."""
+    entries = {path.stem: valid(read_json(path))
+               for path in sorted(folder(threads).glob("*.json"))}
+    return {name: entry for name, entry in entries.items()
+            if entry is not None and len(name.split("-")) == 4}
 
 
 def format_entry(name: str, entry: dict) -> str:

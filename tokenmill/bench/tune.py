@@ -12,8 +12,10 @@ geometric-mean slowdown over the classes, and the fastest per class is reported
 beside it; first, how far ahead the native kernel's lone row tiles fetch their weights
 at one row and at 8 (layers/fetch_distance.py), then its decode tiles against its wide
 tile at 8 rows, the wide tile at its measured distance (layers/product_table.py).
-`--report` prints what is stored (the start-up probe's or a tune's) and plots it, and the limit the paged-native backend measured at
-start-up for its causal prefill kernel (attention/prefill_native.py). `--scheduler`
+`--report` prints what is stored (the start-up probe's or a tune's) and plots it, and
+what the paged-native backend measured at start-up: the limit of its causal prefill
+kernel (attention/prefill_native.py) and its decode kernel's prefetch level
+(attention/kv_fetch.py). `--scheduler`
 times the scheduler knobs instead (bench/tune_scheduler.py).
 """
 

@@ -32,9 +32,10 @@ struct Geometry {
 };
 
 // Which cache the prefetcher fills: 1, L1 (prefetcht0); 2, L2 only (prefetcht1). The
-// best differs by host and build: on a Zen 4 host the AVX-512 fold read a cold cache
-// 1.15-1.24x faster with L2, the AVX2 one 0.92-0.98x as fast (docs/BENCHMARKS.md), so
-// the engine measures both at start-up and sets the faster (attention/kv_fetch.py).
+// best differs by host, build and shape: on a Zen 4 host the AVX-512 fold read a cold
+// cache 1.17-1.42x faster with L2, the AVX2 one 0.92x as fast at 32 x 160 tokens and
+// 1.09-1.13x at longer contexts (docs/BENCHMARKS.md), so the engine measures both at
+// start-up and sets the faster (attention/kv_fetch.py).
 #ifndef TM_KV_FETCH_LEVEL
 #define TM_KV_FETCH_LEVEL 1
 #endif

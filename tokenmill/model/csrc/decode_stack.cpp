@@ -126,10 +126,11 @@ class Stack {
     cos = cos.contiguous();
     sin = sin.contiguous();
     // `timed`: each operation's seconds added to spent_ (bench_step_overhead.py --ops).
-    auto mark = std::chrono::steady_clock::now();
+    using Clock = std::chrono::steady_clock;
+    auto mark = timed_ ? Clock::now() : Clock::time_point{};
     const auto lap = [&](Op op) {
       if (!timed_) return;
-      const auto now = std::chrono::steady_clock::now();
+      const auto now = Clock::now();
       spent_[op] += std::chrono::duration<double>(now - mark).count();
       mark = now;
     };
